@@ -1,0 +1,45 @@
+"""Configuration of the graphpass backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Options of `graphpass.Backend`; every field is validated on construction."""
+
+    chunk_size: int | None = None
+    """Rows (tokens) per chunk; None chooses it at run time from `chunk_budget_bytes`."""
+
+    chunk_budget_bytes: int = 16 * 2**20
+    """Target bytes of one fp32 `[chunk, V]` intermediate when `chunk_size` is None."""
+
+    inner: str = "inductor"
+    """Compiler for the rest of the graph and the per-chunk kernels: inductor, aot_eager or eager."""
+
+    strict: bool = False
+    """Raise when a rewrite fails instead of running the graph unchanged."""
+
+    report: bool = False
+    """Print the memory-savings table for every compiled graph (also GRAPHPASS_REPORT=1)."""
+
+    disable_passes: tuple[str, ...] = ()
+    """Names of passes to skip, e.g. ("drop_unused_grad_pass",)."""
+
+    def __post_init__(self):
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
+            raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if not isinstance(self.chunk_budget_bytes, int) or self.chunk_budget_bytes < 1:
+            raise ValueError(
+                f"graphpass: chunk_budget_bytes must be a positive int, got {self.chunk_budget_bytes!r}"
+            )
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(
+                f"graphpass: inner must be one of {', '.join(INNER_COMPILERS)}; got {self.inner!r}"
+            )
+        if isinstance(self.disable_passes, str):
+            raise ValueError("graphpass: disable_passes must be a tuple of pass names, not a string")
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

@@ -1,0 +1,73 @@
+"""What the backend compiled: one `GraphRecord` per graph, one `SiteRecord` per rewritten region.
+
+Tests and reports read these dataclasses, never the logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class OutputRecord:
+    """One narrow output of a rewritten region."""
+
+    kind: str
+    """What it computes: "logprob", "entropy", or "rowwise" when not recognised."""
+    keeps_grad: bool
+    """False when its gradient cannot reach a differentiable output: computed forward-only."""
+    temperature: str | None = None
+    """How the logits were scaled before it, as written ("/ 0.7", "* s", ...); None if unscaled."""
+
+
+@dataclasses.dataclass
+class SiteRecord:
+    """A row-local region replaced by one chunked, recomputing op."""
+
+    kind: str
+    """The labels of its outputs joined by "+", e.g. "logprob+entropy"."""
+    source: str
+    """The user's source line that produced the region's first op, "file.py:LINE"."""
+    shape: tuple
+    """Shape of the wide input (the logits); symbolic sizes print as their names."""
+    dtype: torch.dtype
+    """Dtype of the wide input."""
+    chunk_size: int | None
+    """Rows per chunk, or None when chosen at run time from the memory budget."""
+    outputs: list[OutputRecord]
+    """One entry per narrow output, in the op's output order."""
+    program_key: str = ""
+    """Content hash of the per-chunk program (identifies the op's registered region)."""
+    wide_inputs: int = 1
+    """How many `[rows, V]` inputs the region reads."""
+
+    @property
+    def grads_kept(self) -> list[bool]:
+        return [o.keeps_grad for o in self.outputs]
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A log-softmax-like computation that was *not* rewritten, and why."""
+
+    source: str
+    reason: str
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One graph that Dynamo handed to the backend."""
+
+    index: int
+    """Order of compilation within this backend, from 0."""
+    sites: list[SiteRecord] = dataclasses.field(default_factory=list)
+    rejected: list[Candidate] = dataclasses.field(default_factory=list)
+    fallback_reason: str | None = None
+    """Set when the whole rewrite failed and the graph ran unchanged."""
+    passes_run: list[str] = dataclasses.field(default_factory=list)
+    graph_module: object = dataclasses.field(default=None, repr=False)
+    """The rewritten ATen-level `torch.fx.GraphModule` handed to the inner compiler."""
+    example_inputs: list = dataclasses.field(default_factory=list, repr=False)
+    """Fake example inputs of `graph_module` (shapes and dtypes only)."""
