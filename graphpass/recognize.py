@@ -1,0 +1,633 @@
+"""Label what a narrow output of a row-local region computes: a log-prob, an entropy, or neither.
+
+The recogniser does not match spellings. It evaluates the output's ATen expression into a small
+normal form, in which every idiom of the same quantity looks the same:
+
+* a *linear form* is a sum of coefficients times atoms, where an atom is
+  ``("x", L)``           the logits row ``L`` itself (the only wide atom),
+  ``("gather", L, i)``   ``L[y]``, the logit at index ``i``,
+  ``("lse", L)``         ``logsumexp(L)`` over the vocabulary,
+  ``("sumpx", L)``       ``sum_v softmax(L)_v * L_v``,
+  ``("one",)``           the constant 1;
+* a *probability-weighted form* ``PW(L, f)`` stands for ``softmax(L) * f`` with ``f`` linear.
+
+With the identities ``log_softmax(L) = x(L) - lse(L)`` and ``sum_v softmax(L)_v = 1``:
+
+    logprob = gather(L, i) - lse(L)          (whatever the spelling, e.g. -cross_entropy)
+    entropy = lse(L) - sumpx(L)              (-sum(p * logp), Categorical.entropy(), entr, ...)
+
+Anything the evaluator does not understand becomes a fresh logits leaf keyed by its node, which is
+always sound: an unknown tensor can only be mislabelled if a normalizer is applied to it, and
+then it *is* the logits. A leaf scaled by a scalar or a per-token ``[T, 1]`` tensor becomes a
+structural ``("scale", base, op, factor)`` key; that is where the temperature is read from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+LOGPROB = "logprob"
+ENTROPY = "entropy"
+ROWWISE = "rowwise"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLabel:
+    """What a narrow region output computes and how the logits were scaled before it."""
+
+    kind: str
+    """"logprob", "entropy" or "rowwise"."""
+    temperature: str | None = None
+    """The scaling of the logits, e.g. "/ 0.7", "* 1.43", "/ item", "/ per-token"; None if unscaled."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Normal forms
+
+
+ONE = ("one",)
+Lin = dict  # atom -> coefficient; immutable by convention (every helper returns a new dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PW:
+    """`softmax(L) * f`, with `f` a linear form: a summand of an expectation under softmax(L)."""
+
+    logits: object
+    f: tuple  # sorted items of a Lin, so that PW stays hashable
+
+    @property
+    def lin(self) -> Lin:
+        return dict(self.f)
+
+
+def _pw(logits, f: Lin) -> PW:
+    return PW(logits, tuple(sorted(f.items(), key=repr)))
+
+
+def _leaf(key) -> Lin:
+    return {("x", key): 1.0}
+
+
+def _const(c: float) -> Lin:
+    return {ONE: float(c)}
+
+
+def _is_one(c: float) -> bool:
+    return abs(c - 1.0) < 1e-9
+
+
+def _scale(f: Lin, c: float) -> Lin:
+    return {a: k * c for a, k in f.items()}
+
+
+def _add(f: Lin, g: Lin) -> Lin:
+    out = dict(f)
+    for a, k in g.items():
+        out[a] = out.get(a, 0.0) + k
+    # Drop cancelled atoms so that e.g. (x - lse) + lse compares equal to x.
+    return {a: k for a, k in out.items() if abs(k) > 1e-12}
+
+
+def _pure_leaf(f) -> object | None:
+    """The key L if `f` is exactly the logits leaf x(L), else None."""
+    if isinstance(f, dict) and len(f) == 1:
+        (atom, k), = f.items()
+        if atom[0] == "x" and _is_one(k):
+            return atom[1]
+    return None
+
+
+def _only_const(f) -> float | None:
+    """The value if `f` is a constant, else None."""
+    if isinstance(f, dict) and set(f) <= {ONE}:
+        return f.get(ONE, 0.0)
+    return None
+
+
+def _split_row_logits(f) -> tuple[object, Lin] | None:
+    """(L, c) if `f` is x(L) plus row constants c (atoms that are constant along V), else None."""
+    if not isinstance(f, dict):
+        return None
+    wide = [(a, k) for a, k in f.items() if a[0] == "x"]
+    if len(wide) != 1 or not _is_one(wide[0][1]):
+        return None
+    return wide[0][0][1], {a: k for a, k in f.items() if a[0] != "x"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Small readers of nodes
+
+
+def _packet(node):
+    """The aten overload packet of a call_function node (aten.gather for aten.gather.default)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    return getattr(node.target, "overloadpacket", None)
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default=None):
+    """Positional-or-keyword argument `i`/`name` of `node`."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+
+
+def _shape(x) -> tuple | None:
+    v = _val(x)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _same_size(a, b) -> bool:
+    # Symbolic sizes are compared by name: comparing SymInts directly could install guards.
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return str(a) == str(b)
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
+def _is_vocab_dim(tensor_node, dim) -> bool:
+    """True if `dim` (an int or a one-element list) is the last dimension of `tensor_node`."""
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    if not isinstance(dim, int):
+        return False
+    if dim == -1:
+        return True
+    shape = _shape(tensor_node)
+    return shape is not None and dim == len(shape) - 1
+
+
+def _broadcast_ok(node: torch.fx.Node, operands) -> bool:
+    """True if every tensor operand is the output's shape, a scalar, or a keepdim row value.
+
+    A narrow [T] value broadcast against [T, V] would run along V, not along the rows; only
+    [T, 1] row constants (or same-shape operands) keep the algebra of row constants valid.
+    """
+    out = _shape(node)
+    if out is None:
+        return False
+    for x in operands:
+        if not isinstance(x, torch.fx.Node):
+            continue
+        s = _shape(x)
+        if s is None:
+            if isinstance(_val(x), torch.Tensor):
+                return False
+            continue  # a SymFloat/SymInt scalar
+        if _same_shape(s, out) or len(s) == 0:
+            continue
+        if len(s) == len(out) and isinstance(s[-1], int) and s[-1] == 1:
+            continue
+        return False
+    return True
+
+
+_RUNTIME_SCALAR_PACKETS = {aten.item, aten._local_scalar_dense}
+
+
+def _scale_factor(x):
+    """How `x` scales logits when used as a multiplier/divisor: a float, a node, or None if not a scalar."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if not isinstance(x, torch.fx.Node):
+        return None
+    val = _val(x)
+    if _packet(x) in _RUNTIME_SCALAR_PACKETS or isinstance(val, (torch.SymFloat, torch.SymInt, float, int)):
+        return x
+    if isinstance(val, torch.Tensor) and (val.dim() == 0 or (isinstance(val.shape[-1], int) and val.shape[-1] == 1)):
+        return x  # a 0-d runtime scalar or a per-row [T, 1] temperature
+    return None
+
+
+def _factor_desc(op: str, factor) -> str:
+    """Short text for scaling by `factor`: "/ 0.7", "* 1.43", "/ item", "/ per-token"."""
+    if isinstance(factor, float):
+        return f"{op} {factor:.3g}"
+    node = factor
+    # `x * (1 / t)` with a runtime t arrives as operator.truediv(1.0, item): report it as "/ t".
+    if node.op == "call_function" and node.target is operator.truediv and node.args[0] in (1, 1.0):
+        return _factor_desc("/" if op == "*" else "*", node.args[1])
+    val = _val(node)
+    if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() != 1:
+        return f"{op} per-token"
+    if isinstance(val, torch.Tensor) and val.dim() > 0:
+        shape = tuple(val.shape)
+        if not all(isinstance(s, int) for s in shape):
+            return f"{op} per-token"
+    return f"{op} {node.name}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluator
+
+
+_VIEWS = {
+    aten.view, aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.expand,
+    aten.flatten, aten.unflatten,
+}
+# Ops that change neither values nor layout (dtype casts change precision, not meaning).
+_CASTS = {
+    aten.to, aten._to_copy, aten.clone, aten.detach, aten.alias, aten.contiguous,
+    aten.lift_fresh_copy, aten.type_as,
+}
+_INDEX_TRANSPARENT = _VIEWS | _CASTS
+
+
+def _index_key(idx):
+    """The index tensor behind unsqueeze/view/cast wrappers, so x.gather(-1, t[:, None]) and CE(x, t) agree."""
+    while _packet(idx) in _INDEX_TRANSPARENT:
+        idx = idx.args[0]
+    return idx
+
+
+class _Evaluator:
+    """Evaluates nodes into normal forms (Lin or PW), memoised per node."""
+
+    def __init__(self):
+        self.memo: dict[torch.fx.Node, object] = {}
+
+    def __call__(self, x):
+        if not isinstance(x, torch.fx.Node):
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                return _const(x)
+            return _leaf(("value", repr(x)))
+        if x not in self.memo:
+            self.memo[x] = self._eval(x)
+        return self.memo[x]
+
+    def _eval(self, n: torch.fx.Node):
+        p = _packet(n)
+        handler = _HANDLERS.get(p)
+        if handler is not None:
+            out = handler(self, n)
+            if out is not None:
+                return out
+        return _leaf(n)
+
+    # -- helpers used by handlers ---------------------------------------------------------
+
+    def normalizer_input(self, x, f=None) -> tuple[object, Lin]:
+        """(L, c): the logits a softmax-like op normalises, and the row constants it cancels."""
+        split = _split_row_logits(self(x) if f is None else f)
+        if split is not None:
+            return split
+        return x, {}
+
+    def gathered(self, src, idx, f=None) -> Lin | None:
+        """The form of `src[..., idx]` along V (`f`: src's form if already known), None if not linear."""
+        f = self(src) if f is None else f
+        if not isinstance(f, dict):
+            return None
+        key = _index_key(idx)
+        out: Lin = {}
+        for a, k in f.items():
+            # Row constants are the same at every vocabulary position, so gathering keeps them.
+            atom = ("gather", a[1], key) if a[0] == "x" else a
+            out = _add(out, {atom: k})
+        return out
+
+
+def _h_cast(ev, n):
+    return ev(n.args[0])
+
+
+def _h_view(ev, n):
+    f = ev(n.args[0])
+    in_shape, out_shape = _shape(n.args[0]), _shape(n)
+    wide = isinstance(f, PW) or any(a[0] == "x" for a in f)
+    if not wide:
+        return f
+    # A wide value keeps its meaning only while V stays the last dimension.
+    if in_shape and out_shape and _same_size(in_shape[-1], out_shape[-1]):
+        return f
+    return None
+
+
+def _h_neg(ev, n):
+    f = ev(n.args[0])
+    return _pw(f.logits, _scale(f.lin, -1.0)) if isinstance(f, PW) else _scale(f, -1.0)
+
+
+def _h_add_sub(sign: float):
+    def handler(ev, n):
+        a, b = n.args[0], n.args[1]
+        alpha = n.kwargs.get("alpha", 1)
+        if not _broadcast_ok(n, (a, b)):
+            return None
+        fa, fb = ev(a), ev(b)
+        if isinstance(fa, dict) and isinstance(fb, dict):
+            return _add(fa, _scale(fb, sign * alpha))
+        if isinstance(fa, PW) and isinstance(fb, PW) and fa.logits == fb.logits:
+            return _pw(fa.logits, _add(fa.lin, _scale(fb.lin, sign * alpha)))
+        return None
+
+    return handler
+
+
+def _h_rsub(ev, n):
+    a, b = n.args[0], n.args[1]  # b - alpha * a
+    alpha = n.kwargs.get("alpha", 1)
+    if not _broadcast_ok(n, (a, b)):
+        return None
+    fa, fb = ev(a), ev(b)
+    if isinstance(fa, dict) and isinstance(fb, dict):
+        return _add(fb, _scale(fa, -alpha))
+    return None
+
+
+def _scaled(ev, n, data, factor_arg, op: str):
+    """x * s or x / s: a temperature when x is a logits leaf, a coefficient otherwise."""
+    return _scale_form(ev(data), factor_arg, op)
+
+
+def _scale_form(f, factor_arg, op: str):
+    """The form `f * s` or `f / s`, or None when `s` is not a scalar or per-row factor."""
+    factor = _scale_factor(factor_arg)
+    if factor is None:
+        return None
+    base = _pure_leaf(f)
+    if base is not None:
+        return _leaf(("scale", base, op, factor))
+    if isinstance(factor, float) and factor != 0.0:
+        c = factor if op == "*" else 1.0 / factor
+        return _pw(f.logits, _scale(f.lin, c)) if isinstance(f, PW) else _scale(f, c)
+    return None
+
+
+def _h_mul(ev, n):
+    a, b = n.args[0], n.args[1]
+    if not _broadcast_ok(n, (a, b)):
+        return None
+    fa, fb = ev(a), ev(b)
+    # Products of a probability with a linear form are the summands of expectations.
+    for p, g in ((fa, fb), (fb, fa)):
+        if isinstance(p, PW) and isinstance(g, dict):
+            pc, gc = _only_const(p.lin), _only_const(g)
+            if pc is not None:
+                return _pw(p.logits, _scale(g, pc))
+            if gc is not None:
+                return _pw(p.logits, _scale(p.lin, gc))
+            return None
+    if isinstance(fa, dict) and isinstance(fb, dict):
+        for data, other, f_other in ((a, b, fb), (b, a, fa)):
+            if _only_const(f_other) is not None and not isinstance(other, torch.fx.Node):
+                return _scaled(ev, n, data, other, "*")
+        for data, other in ((a, b), (b, a)):
+            out = _scaled(ev, n, data, other, "*")
+            if out is not None:
+                return out
+    return None
+
+
+def _h_div(ev, n):
+    if n.kwargs.get("rounding_mode") is not None or len(n.args) > 2:
+        return None
+    if not _broadcast_ok(n, n.args[:2]):
+        return None
+    return _scaled(ev, n, n.args[0], n.args[1], "/")
+
+
+def _h_log_softmax(ev, n):
+    if not _is_vocab_dim(n.args[0], n.args[1]):
+        return None
+    L, _ = ev.normalizer_input(n.args[0])
+    return {("x", L): 1.0, ("lse", L): -1.0}
+
+
+def _h_softmax(ev, n):
+    if not _is_vocab_dim(n.args[0], n.args[1]):
+        return None
+    L, _ = ev.normalizer_input(n.args[0])
+    return _pw(L, _const(1.0))
+
+
+def _h_logsumexp(ev, n):
+    if not _is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
+        return None
+    L, row_consts = ev.normalizer_input(n.args[0])
+    # logsumexp(x + c) = logsumexp(x) + c for a row constant c.
+    return _add({("lse", L): 1.0}, row_consts)
+
+
+def _h_gather(ev, n):
+    src, dim, idx = n.args[0], n.args[1], n.args[2]
+    if not _is_vocab_dim(src, dim) or _shape(idx) is None or _shape(idx)[-1] != 1:
+        return None
+    return ev.gathered(src, idx)
+
+
+def _h_take_along_dim(ev, n):
+    src, idx, dim = n.args[0], n.args[1], _arg(n, 2, "dim")
+    if dim is None or not _is_vocab_dim(src, dim) or _shape(idx) is None or _shape(idx)[-1] != 1:
+        return None
+    return ev.gathered(src, idx)
+
+
+def _h_sum(ev, n):
+    if not _is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
+        return None
+    f = ev(n.args[0])
+    if not isinstance(f, PW):
+        return None  # a sum of logits or of log-probs is not an expectation
+    out: Lin = {}
+    for a, k in f.lin.items():
+        if a[0] == "x" and a[1] != f.logits:
+            return None
+        # sum_v p_v x_v is the atom sumpx; sum_v p_v c = c for a row constant c.
+        out = _add(out, {("sumpx", f.logits) if a[0] == "x" else a: k})
+    return out
+
+
+def _h_exp(ev, n):
+    f = ev(n.args[0])
+    split = _split_row_logits(f)
+    if split is not None and split[1] == {("lse", split[0]): -1.0}:
+        return _pw(split[0], _const(1.0))  # exp(log_softmax(L)) = softmax(L)
+    return None
+
+
+def _h_log(ev, n):
+    f = ev(n.args[0])
+    if isinstance(f, PW) and f.lin == _const(1.0):
+        return {("x", f.logits): 1.0, ("lse", f.logits): -1.0}  # log(softmax(L))
+    return None
+
+
+def _h_entr(ev, n):
+    f = ev(n.args[0])
+    if isinstance(f, PW) and f.lin == _const(1.0):
+        # entr(p) = -p * log(p) = p * (lse - x)
+        return _pw(f.logits, {("x", f.logits): -1.0, ("lse", f.logits): 1.0})
+    return None
+
+
+def _h_clamp(ev, n):
+    lo, hi = _arg(n, 1, "min"), _arg(n, 2, "max")
+    val = _val(n)
+    if hi is not None or not isinstance(lo, float) or not isinstance(val, torch.Tensor):
+        return None
+    if not val.dtype.is_floating_point or lo > torch.finfo(val.dtype).min:
+        return None
+    # Categorical clamps log-probs at finfo.min so that 0 * -inf is 0, not nan: same quantity.
+    return ev(n.args[0])
+
+
+def _h_masked_fill(ev, n):
+    base = _pure_leaf(ev(n.args[0]))
+    if base is None:
+        return None
+    # A masked leaf is new logits; keeping the base in its key keeps its temperature readable.
+    return _leaf(("mask", base, n))
+
+
+def _h_where(ev, n):
+    cond, a, b = n.args[0], n.args[1], n.args[2]
+    for data, fill in ((a, b), (b, a)):
+        base = _pure_leaf(ev(data)) if isinstance(data, torch.fx.Node) else None
+        if base is not None and _scale_factor(fill) is not None and _shape(data) == _shape(n):
+            return _leaf(("mask", base, n))
+    return None
+
+
+def _class_dim_form(ev, x):
+    """The form of a loss input whose class dimension is 1, as if V were last; None if unknown.
+
+    2-D input already has V last. For [B, V, S] input the transpose that moved V to dim 1 is
+    undone, through the casts and scalar scalings (`x.transpose(1, 2) / 0.7`) applied after it.
+    """
+    shape = _shape(x)
+    if shape is None or len(shape) < 2:
+        return None
+    if len(shape) == 2:
+        return ev(x)
+    p = _packet(x)
+    if p is aten.transpose:
+        d0, d1 = sorted(d % len(shape) for d in x.args[1:3])
+        return ev(x.args[0]) if (d0, d1) == (1, len(shape) - 1) else None
+    if p in _CASTS:
+        return _class_dim_form(ev, x.args[0])
+    if p in (aten.div, aten.mul) and not x.kwargs and _scale_factor(x.args[1]) is not None:
+        inner = _class_dim_form(ev, x.args[0])
+        return None if inner is None else _scale_form(inner, x.args[1], "/" if p is aten.div else "*")
+    return None
+
+
+def _h_cross_entropy(ev, n):
+    weight, reduction = _arg(n, 2, "weight"), _arg(n, 3, "reduction", 1)
+    smoothing = _arg(n, 5, "label_smoothing", 0.0)
+    f = _class_dim_form(ev, n.args[0])
+    if weight is not None or reduction != 0 or smoothing != 0.0 or f is None:
+        return None
+    L, _ = ev.normalizer_input(n.args[0], f)
+    return {("gather", L, _index_key(n.args[1])): -1.0, ("lse", L): 1.0}
+
+
+def _h_nll_loss(ev, n):
+    weight, reduction = _arg(n, 2, "weight"), _arg(n, 3, "reduction", 1)
+    f = _class_dim_form(ev, n.args[0])
+    if weight is not None or reduction != 0 or f is None:
+        return None
+    g = ev.gathered(n.args[0], n.args[1], f)
+    return None if g is None else _scale(g, -1.0)
+
+
+_HANDLERS = {
+    **{p: _h_cast for p in _CASTS},
+    **{p: _h_view for p in _VIEWS},
+    aten.neg: _h_neg,
+    aten.add: _h_add_sub(1.0),
+    aten.sub: _h_add_sub(-1.0),
+    aten.rsub: _h_rsub,
+    aten.mul: _h_mul,
+    aten.mul_: _h_mul,
+    aten.div: _h_div,
+    aten.div_: _h_div,
+    aten.log_softmax: _h_log_softmax,
+    aten._log_softmax: _h_log_softmax,
+    aten.softmax: _h_softmax,
+    aten._softmax: _h_softmax,
+    aten.logsumexp: _h_logsumexp,
+    aten.gather: _h_gather,
+    aten.take_along_dim: _h_take_along_dim,
+    aten.sum: _h_sum,
+    aten.exp: _h_exp,
+    aten.log: _h_log,
+    aten.special_entr: _h_entr,
+    aten.clamp: _h_clamp,
+    aten.clamp_min: _h_clamp,
+    aten.masked_fill: _h_masked_fill,
+    aten.where: _h_where,
+    aten.cross_entropy_loss: _h_cross_entropy,
+    aten.nll_loss_nd: _h_nll_loss,
+    aten.nll_loss: _h_nll_loss,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Classification
+
+
+def _temperature(key) -> str | None:
+    """The scalings recorded in a logits key, innermost first, e.g. "/ 0.7"; None if unscaled."""
+    parts = []
+    while isinstance(key, tuple) and key and key[0] in ("scale", "mask"):
+        if key[0] == "scale":
+            parts.append(_factor_desc(key[2], key[3]))
+        key = key[1]
+    return " ".join(reversed(parts)) or None
+
+
+def _classify(f) -> OutputLabel:
+    """Match a normal form against the log-prob and entropy forms."""
+    if not isinstance(f, dict) or len(f) != 2:
+        return OutputLabel(ROWWISE)
+    by_kind = {a[0]: (a, k) for a, k in f.items()}
+    if set(by_kind) == {"gather", "lse"}:
+        (g, kg), (l, kl) = by_kind["gather"], by_kind["lse"]
+        if g[1] == l[1] and _is_one(kg) and _is_one(-kl):
+            return OutputLabel(LOGPROB, _temperature(l[1]))
+    if set(by_kind) == {"lse", "sumpx"}:
+        (l, kl), (s, ks) = by_kind["lse"], by_kind["sumpx"]
+        if l[1] == s[1] and _is_one(kl) and _is_one(-ks):
+            return OutputLabel(ENTROPY, _temperature(l[1]))
+    return OutputLabel(ROWWISE)
+
+
+def _cat_parts(node: torch.fx.Node) -> list | None:
+    """The parts of a row-wise concatenation of narrow outputs (a chunk loop Dynamo unrolled)."""
+    while _packet(node) in _INDEX_TRANSPARENT and _packet(node) is not aten.expand:
+        node = node.args[0]
+    if _packet(node) is not aten.cat:
+        return None
+    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    shape = _shape(node)
+    if shape is None or (len(shape) > 1 and _is_vocab_dim(node, dim)):
+        return None
+    return list(parts)
+
+
+def label_output(node: torch.fx.Node) -> OutputLabel:
+    """Label a narrow output ([T], [T, 1] or [B, S]) of a row-local region."""
+    parts = _cat_parts(node)
+    if parts:
+        labels = {label_output(p) for p in parts}
+        return labels.pop() if len(labels) == 1 else OutputLabel(ROWWISE)
+    return _classify(_Evaluator()(node))
