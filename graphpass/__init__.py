@@ -1,0 +1,12 @@
+"""graphpass: a torch.compile backend that makes LLM RL loss code memory-efficient.
+
+    loss = torch.compile(ppo_loss, backend="graphpass")            # defaults
+    loss = torch.compile(ppo_loss, backend=graphpass.Backend(chunk_size=1024, report=True))
+"""
+
+from graphpass.backend import Backend
+from graphpass.config import Config
+from graphpass.records import Candidate, GraphRecord, OutputRecord, SiteRecord
+
+__all__ = ["Backend", "Config", "GraphRecord", "SiteRecord", "OutputRecord", "Candidate"]
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""The `torch.compile` backend: rewrite row-local regions, hand the rest to the inner compiler."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from graphpass import _torch_api
+from graphpass.config import Config
+from graphpass.pipeline import rewrite_graph
+from graphpass.records import GraphRecord
+
+log = logging.getLogger("graphpass")
+
+
+class Backend:
+    """A configured graphpass backend: `torch.compile(fn, backend=graphpass.Backend(chunk_size=512))`.
+
+    It remembers what it compiled: `backend.records` holds one `GraphRecord` per graph.
+    """
+
+    def __init__(self, config: Config | None = None, **options):
+        if config is not None and options:
+            raise TypeError("graphpass.Backend: pass either a Config or keyword options, not both")
+        self.config = config or Config(**options)
+        self.records: list[GraphRecord] = []
+
+    def __repr__(self):
+        return f"graphpass.Backend({self.config})"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        record = GraphRecord(index=len(self.records))
+        self.records.append(record)
+        try:
+            result = rewrite_graph(gm, example_inputs, self.config, record)
+        except Exception as e:
+            return self._fall_back(gm, example_inputs, record, f"rewrite failed: {e}", e)
+        if self.config.report or os.environ.get("GRAPHPASS_REPORT") == "1":
+            _print_report(result)
+        if not record.sites:
+            return _torch_api.inner_compile(self.config.inner, gm, example_inputs)
+        try:
+            return _torch_api.inner_compile(self.config.inner, result.after, example_inputs)
+        except Exception as e:
+            return self._fall_back(gm, example_inputs, record,
+                                   f"inner compiler {self.config.inner} failed on the rewritten graph: {e}", e)
+
+    def _fall_back(self, gm, example_inputs, record, reason, error):
+        """Never wrong: run the original graph, with the reason logged and recorded."""
+        if self.config.strict:
+            raise error
+        record.fallback_reason = reason.splitlines()[0]
+        record.sites.clear()
+        log.warning("graphpass: graph %d runs unchanged: %s", record.index, record.fallback_reason)
+        return _torch_api.inner_compile(self.config.inner, gm, example_inputs)
+
+
+def _print_report(result):
+    try:
+        from graphpass.report import print_graph_report
+    except ImportError:  # reporting is optional until its module lands
+        log.info("graphpass: %s", result.record)
+        return
+    print_graph_report(result)
+
+
+def graphpass_backend(gm, example_inputs):
+    """`backend="graphpass"`: a Backend with default options (entry point for torch.compile)."""
+    return _default_backend()(gm, example_inputs)
+
+
+_DEFAULT: Backend | None = None
+
+
+def _default_backend() -> Backend:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Backend()
+    return _DEFAULT

@@ -1,0 +1,312 @@
+"""The chunked, recomputing op that replaces a row-local region.
+
+A `RegionProgram` is the region's math on one chunk of rows, in a canonical 2-D layout
+(`[rows, width]` tensors, `[1, width]` row-broadcast tensors, 0-d tensors, Python scalars).
+The custom op `graphpass::rowwise_chunked(key, tensors, scalars, out_sizes)` runs a registered
+program chunk by chunk. Its forward saves only its inputs; its backward recomputes each chunk
+under `torch.func.vjp` and writes the chunk's gradient into one buffer of the input's dtype.
+Both per-chunk kernels are compiled by the inner compiler, dynamic in the row count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+
+import torch
+
+from graphpass import _torch_api
+
+# How an input tensor is laid out relative to the region's rows.
+WIDE = "wide"  # [*rows, V]: read through views, chunk by chunk; gradient buffer of its dtype
+ROW = "row"  # [*rows] or [*rows, w] with small w: flattened to [R, w]
+BCAST = "bcast"  # the same for every row ([w], [1, ..., 1, w]): reshaped to [1, w]
+SCALAR = "scalar"  # a 0-d tensor
+ROLES = (WIDE, ROW, BCAST, SCALAR)
+
+# fp32 [chunk, V] temporaries alive at once in a fused per-chunk kernel (exp, softmax, grad).
+_TEMPORARIES_PER_CHUNK = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    role: str
+    width: int  # canonical width w (1 for SCALAR)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    width: int
+    dtype: torch.dtype
+    rank: int  # rank of the output in the user's graph, to restore its shape
+    keeps_grad: bool
+
+
+class RegionProgram:
+    """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
+
+    def __init__(self, graph_module, inputs, outputs, n_scalars, *, chunk_size, chunk_budget_bytes, inner,
+                 index_checks=()):
+        self.graph_module = graph_module
+        self.inputs: list[InputSpec] = list(inputs)
+        self.outputs: list[OutputSpec] = list(outputs)
+        self.n_scalars = n_scalars
+        self.chunk_size = chunk_size
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.inner = inner
+        self.index_checks = tuple(index_checks)  # (input position, ignore_index or None): token ids
+        self.key = self._content_key()
+        self._forward_kernel = None
+        self._backward_kernels: dict[tuple, object] = {}
+
+    def _content_key(self) -> str:
+        # Content-addressed, so a compiled graph cached on disk by another process can only
+        # ever name the same program.
+        text = repr((self.graph_module.code, self.inputs, self.outputs, self.n_scalars,
+                     self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks))
+        return "r" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def wide_input_positions(self) -> list[int]:
+        return [i for i, spec in enumerate(self.inputs) if spec.role == WIDE]
+
+    # ---- sizes -------------------------------------------------------------------------
+    def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
+        """Rows per chunk: the configured size, else the budget (at least 1/64 of the floor)."""
+        if self.chunk_size is not None:
+            return max(1, min(self.chunk_size, rows))
+        floor = rows * vocab * grad_itemsize
+        budget = max(self.chunk_budget_bytes, floor // 64)
+        return max(1, min(rows, budget // (vocab * 4)))
+
+    def workspace_bytes(self, rows: int, vocab: int) -> int:
+        """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs."""
+        return _TEMPORARIES_PER_CHUNK * self.rows_per_chunk(rows, vocab) * vocab * 4
+
+    # ---- fake ------------------------------------------------------------------------------
+    def fake_outputs(self, tensors, out_sizes):
+        device = tensors[self.wide_input_positions[0]].device
+        return [torch.empty(shape, dtype=spec.dtype, device=device)
+                for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
+
+    def _split_sizes(self, out_sizes):
+        sizes, start = [], 0
+        for spec in self.outputs:
+            sizes.append(list(out_sizes[start:start + spec.rank]))
+            start += spec.rank
+        return sizes
+
+    # ---- layout ------------------------------------------------------------------------
+    def _layout(self, tensors):
+        """(rows R, vocab V, blocks) where each block is (row offset, row count, wide 2-D views)."""
+        wide = [tensors[i] for i in self.wide_input_positions]
+        vocab = wide[0].shape[-1]
+        rows = wide[0].numel() // vocab if vocab else 0
+        try:
+            return rows, vocab, [(0, rows, [w.view(rows, vocab) for w in wide])]
+        except RuntimeError:
+            pass
+        # A strided view such as logits[:, :-1]: walk its leading dims, each slice is a 2-D view.
+        if any(w.shape != wide[0].shape for w in wide):
+            return rows, vocab, [(0, rows, [w.reshape(rows, vocab) for w in wide])]
+        lead, inner_rows = wide[0].shape[:-2], wide[0].shape[-2]
+        blocks = []
+        for n, index in enumerate(itertools.product(*map(range, lead))):
+            blocks.append((n * inner_rows, inner_rows, [w[index] for w in wide]))
+        return rows, vocab, blocks
+
+    def _canonical(self, tensor, spec: InputSpec, rows: int):
+        if spec.role == ROW:
+            return tensor.reshape(rows, spec.width)
+        if spec.role == BCAST:
+            return tensor.reshape(1, spec.width)
+        return tensor
+
+    def _chunks(self, tensors, rows, blocks, chunk):
+        """Yield (row slice, per-chunk canonical arguments) covering all rows in order."""
+        flat = [None if spec.role == WIDE else self._canonical(t, spec, rows)
+                for t, spec in zip(tensors, self.inputs)]
+        for offset, count, wide_views in blocks:
+            for start in range(0, count, chunk):
+                stop = min(count, start + chunk)
+                sl = slice(offset + start, offset + stop)
+                views = iter(wide_views)
+                args = []
+                for spec, t in zip(self.inputs, flat):
+                    if spec.role == WIDE:
+                        args.append(next(views)[start:stop])
+                    elif spec.role == ROW:
+                        args.append(t[sl])
+                    else:
+                        args.append(t)
+                yield sl, args
+
+    # ---- forward -----------------------------------------------------------------------
+    def forward(self, tensors, scalars, out_sizes):
+        rows, vocab, blocks = self._layout(tensors)
+        self._check_token_ids(tensors, vocab)
+        device = tensors[self.wide_input_positions[0]].device
+        outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=device) for spec in self.outputs]
+        if rows:
+            kernel = self._get_forward_kernel()
+            chunk = self.rows_per_chunk(rows, vocab)
+            with torch.no_grad():
+                for sl, args in self._chunks(tensors, rows, blocks, chunk):
+                    for out, value in zip(outs, kernel(*args, *scalars)):
+                        out[sl] = value
+        return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))]
+
+    def _check_token_ids(self, tensors, vocab):
+        """Raise a clear error for a token id outside [0, V), as eager does, never gather garbage."""
+        for position, ignore_index in self.index_checks:
+            ids = tensors[position]
+            bad = (ids < 0) | (ids >= vocab)
+            if ignore_index is not None:
+                bad &= ids != ignore_index
+            if bool(bad.any()):
+                value = ids[bad].flatten()[0].item()
+                raise IndexError(f"graphpass: token id {value} is outside the vocabulary [0, {vocab}); "
+                                 "check the targets/labels passed to the loss")
+
+    def _get_forward_kernel(self):
+        if self._forward_kernel is None:
+            # Regenerate the module's code now, at run time: code generated while Dynamo was
+            # compiling the user's graph is on Dynamo's skip list and would not compile.
+            self.graph_module.recompile()
+            self._forward_kernel = _torch_api.compile_kernel(self.graph_module, self.inner)
+        return self._forward_kernel
+
+    # ---- backward ----------------------------------------------------------------------
+    def backward(self, tensors, scalars, needs_grad, grad_outputs):
+        """Gradients for `tensors` (None where not needed), recomputed chunk by chunk."""
+        # An output whose incoming gradient is absent or all zero contributes nothing: skip
+        # its recompute (this is how an entropy returned only for logging costs nothing here).
+        active = tuple(i for i, (spec, g) in enumerate(zip(self.outputs, grad_outputs))
+                       if spec.keeps_grad and g is not None and bool(g.any()))
+        wanted = tuple(i for i, need in enumerate(needs_grad) if need)
+        grads = [None] * len(tensors)
+        if not active or not wanted:
+            return grads
+        rows, vocab, blocks = self._layout(tensors)
+        flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
+        buffers = {}
+        for i in wanted:
+            t, spec = tensors[i], self.inputs[i]
+            if spec.role in (WIDE, ROW):
+                buffers[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            else:  # summed over chunks: accumulate in fp32
+                buffers[i] = torch.zeros(self._canonical(t, spec, rows).shape, dtype=torch.float32,
+                                         device=t.device)
+        kernel = self._get_backward_kernel(active, wanted)
+        chunk = self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
+        flat_buffers = {i: b.view(rows, -1) for i, b in buffers.items() if self.inputs[i].role in (WIDE, ROW)}
+        for sl, args in self._chunks(tensors, rows, blocks, chunk):
+            chunk_grads = kernel(*args, *scalars, *[g[sl] for g in flat_grad_outputs])
+            for i, g in zip(wanted, chunk_grads):
+                if i in flat_buffers:
+                    flat_buffers[i][sl] = g
+                else:
+                    buffers[i] += g
+        for i in wanted:
+            grads[i] = buffers[i].reshape(tensors[i].shape).to(tensors[i].dtype)
+        return grads
+
+    def _get_backward_kernel(self, active, wanted):
+        key = (active, wanted)
+        if key not in self._backward_kernels:
+            joint = _make_joint(self.graph_module, len(self.inputs), self.n_scalars, active, wanted,
+                                name=f"graphpass_{self.key}_backward_{len(self._backward_kernels)}")
+            self._backward_kernels[key] = _torch_api.compile_kernel(joint, self.inner)
+        return self._backward_kernels[key]
+
+
+def _make_joint(forward, n_tensors, n_scalars, active, wanted, *, name):
+    """The per-chunk backward: vjp of the chosen outputs with respect to the chosen inputs."""
+
+    def joint(*args):
+        tensors = list(args[:n_tensors])
+        scalars = args[n_tensors:n_tensors + n_scalars]
+        grad_outputs = args[n_tensors + n_scalars:]
+
+        def selected_outputs(*primals):
+            for i, p in zip(wanted, primals):
+                tensors[i] = p
+            outs = forward(*tensors, *scalars)
+            return tuple(outs[j] for j in active)
+
+        _, vjp = torch.func.vjp(selected_outputs, *[tensors[i] for i in wanted])
+        return vjp(tuple(grad_outputs))
+
+    # A fresh code object per kernel: Dynamo caches (and counts recompiles) per code object,
+    # so distinct programs never share a cache entry or eat each other's recompile budget.
+    joint.__code__ = joint.__code__.replace(co_name=name)
+    return joint
+
+
+# ---- registry and the custom op ------------------------------------------------------------
+_PROGRAMS: dict[str, RegionProgram] = {}
+
+
+def register(program_: RegionProgram) -> str:
+    """Make a program callable by the op; returns its key."""
+    _PROGRAMS.setdefault(program_.key, program_)
+    return program_.key
+
+
+def program(key: str) -> RegionProgram:
+    try:
+        return _PROGRAMS[key]
+    except KeyError:
+        raise RuntimeError(f"graphpass: region program {key} is not registered in this process; "
+                           "recompile the function with backend='graphpass'") from None
+
+
+@torch.library.custom_op("graphpass::rowwise_chunked", mutates_args=())
+def rowwise_chunked(key: str, tensors: list[torch.Tensor], scalars: list[float],
+                    out_sizes: list[int]) -> list[torch.Tensor]:
+    """Run a registered row-local region chunk by chunk; see `RegionProgram`."""
+    return program(key).forward(tensors, scalars, out_sizes)
+
+
+@rowwise_chunked.register_fake
+def _(key, tensors, scalars, out_sizes):
+    return program(key).fake_outputs(tensors, out_sizes)
+
+
+@torch.library.custom_op("graphpass::rowwise_chunked_backward", mutates_args=())
+def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor], scalars: list[float],
+                             grad_outputs: list[torch.Tensor | None], needs_grad: list[bool]) -> list[torch.Tensor]:
+    """Gradients of the inputs flagged in `needs_grad`, in order; see `RegionProgram.backward`."""
+    grads = program(key).backward(tensors, scalars, needs_grad, grad_outputs)
+    return [torch.zeros_like(t) if g is None else g
+            for t, g, need in zip(tensors, grads, needs_grad) if need]
+
+
+@rowwise_chunked_backward.register_fake
+def _(key, tensors, scalars, grad_outputs, needs_grad):
+    return [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
+
+
+def _setup_context(ctx, inputs, output):
+    key, tensors, scalars, _ = inputs
+    prog = program(key)
+    ctx.key, ctx.scalars = key, scalars
+    ctx.needs_grad = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.save_for_backward(*tensors)
+    forward_only = [o for o, spec in zip(output, prog.outputs) if not spec.keeps_grad]
+    if forward_only:
+        ctx.mark_non_differentiable(*forward_only)
+
+
+def _backward(ctx, grad_outputs):
+    # The backward is an op of its own, so that a compiler tracing this autograd formula sees
+    # one opaque call rather than the chunk loop.
+    tensors = list(ctx.saved_tensors)
+    grads = iter(rowwise_chunked_backward(ctx.key, tensors, ctx.scalars, list(grad_outputs), ctx.needs_grad))
+    per_input = [next(grads) if need else None for need in ctx.needs_grad]
+    # One entry per input; the tensor and float lists get one entry per element.
+    return None, per_input, [None] * len(ctx.scalars), None
+
+
+rowwise_chunked.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,69 @@
+"""The pass runner: capture the ATen graph, apply the passes in order, record what happened."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from graphpass import _torch_api
+from graphpass.config import Config
+from graphpass.records import GraphRecord
+from passes import chunk_rowwise_regions_pass, tag_grad_flow_pass
+
+log = logging.getLogger("graphpass")
+
+#: The passes, in order. Each is `<effect>_pass(gm, example_inputs, *, config, record) -> gm`.
+PASSES = (tag_grad_flow_pass, chunk_rowwise_regions_pass)
+
+
+class PassFailed(RuntimeError):
+    """A pass raised; the message names the pass."""
+
+
+@dataclasses.dataclass
+class RewriteResult:
+    before: torch.fx.GraphModule
+    after: torch.fx.GraphModule
+    fake_inputs: list
+    record: GraphRecord
+
+
+def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, record: GraphRecord,
+                  on_stage=None) -> RewriteResult:
+    """Capture `gm` as pre-dispatch ATen ops and run every enabled pass over it.
+
+    `on_stage(stage, pass_name, gm)` is called with the graph after capture and after each pass
+    (for dumps).
+    """
+    before, fakes = _torch_api.capture_pre_dispatch(gm, example_inputs)
+    if on_stage:
+        on_stage("captured", "capture", before)
+    after = _copy(before)  # `before` stays intact for reports and the memory model
+    for number, pass_fn in enumerate(PASSES):
+        name = pass_fn.__name__
+        if name in config.disable_passes:
+            log.info("graphpass: pass %d %s disabled", number, name)
+            continue
+        try:
+            after = pass_fn(after, fakes, config=config, record=record)
+            after.graph.lint()
+            after.recompile()
+        except Exception as e:
+            raise PassFailed(f"pass {number} {name} failed: {type(e).__name__}: {e}") from e
+        record.passes_run.append(name)
+        log.debug("graphpass: pass %d %s done", number, name)
+        if on_stage:
+            on_stage("after", name, after)
+    after.graph.eliminate_dead_code()
+    after.recompile()
+    record.graph_module, record.example_inputs = after, fakes
+    return RewriteResult(before, after, fakes, record)
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A structural copy of `gm` whose nodes share (shallow-copied) meta with the original."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)

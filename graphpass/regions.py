@@ -1,0 +1,202 @@
+"""Find maximal row-local regions in a pre-dispatch ATen graph.
+
+Starting from an op that normalises over the vocabulary (log_softmax, softmax, logsumexp,
+cross_entropy, ...), a region grows over data edges through row-local ops: upward through wide
+producers (casts, temperature scaling, -inf masking), downward through every row-local consumer
+of a wide value (reductions and gathers that make narrow outputs), and over narrow ops whose
+inputs all come from the region (`-sum`, `lse - sum`, squeeze). It stops at anything else, at
+a change of grad mode, and at values used outside that are still `[rows, V]` wide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+
+from graphpass import rowlocal
+from graphpass._torch_api import known_equal
+from graphpass.records import Candidate
+
+
+@dataclasses.dataclass
+class Region:
+    """A row-local region: its nodes in graph order, where it reads from and what it makes."""
+
+    anchor: torch.fx.Node
+    nodes: list[torch.fx.Node]
+    rows: object
+    layouts: dict
+    inputs: list[torch.fx.Node]  # outside nodes the region reads (tensors and sym scalars)
+    outputs: list[torch.fx.Node]  # region nodes used outside it (narrow)
+
+
+def grad_modes(graph: torch.fx.Graph) -> dict:
+    """Grad mode in force at each node, following `_set_grad_enabled` calls in graph order."""
+    enabled, modes = torch.is_grad_enabled(), {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        modes[node] = enabled
+    return modes
+
+
+def source_of(node: torch.fx.Node) -> str:
+    """The user's `file.py:LINE` that produced `node`, from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return "<unknown>"
+    # 'File "/path/loss.py", line 12, in fn'
+    parts = lines[-1].split('"')
+    path = parts[1] if len(parts) > 2 else "?"
+    line = lines[-1].split("line ")[-1].split(",")[0]
+    return f"{path.rsplit('/', 1)[-1]}:{line}"
+
+
+_FINISHING = {
+    torch.ops.aten.neg.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+    torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
+    operator.getitem,
+}
+
+
+def _wide(layout, vocab) -> bool:
+    return layout is not None and layout.kind == "row" and known_equal(layout.width, vocab)
+
+
+def _is_tensor_node(n) -> bool:
+    return isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+class _Grower:
+    """Grows one region from an anchor; see the module docstring."""
+
+    def __init__(self, anchor, modes, claimed):
+        self.anchor, self.modes, self.claimed = anchor, modes, claimed
+        source = anchor.args[0].meta["val"]
+        self.rows = math.prod(source.shape[:-1])
+        self.vocabs = [source.shape[-1]]
+        self.layouts: dict = {}
+        self.nodes: set = set()
+
+    def is_wide(self, node) -> bool:
+        lay = self.layouts.get(node) or rowlocal.layout_of(node.meta.get("val"), self.rows)
+        return any(_wide(lay, v) for v in self.vocabs)
+
+    def try_add(self, node) -> str | None:
+        if node in self.nodes:
+            return None
+        if node in self.claimed:
+            return "already part of another region"
+        if node.op != "call_function" or self.modes[node] != self.modes[self.anchor]:
+            return "different grad mode" if node.op == "call_function" else f"{node.op}"
+        why = rowlocal.check(node, self.rows, self.layouts)
+        if why is not None:
+            return why
+        if node.target is torch.ops.aten.slice.Tensor:
+            self.vocabs.append(node.meta["val"].shape[-1])
+        val = node.meta["val"]
+        self.layouts[node] = rowlocal.layout_of(val[0] if isinstance(val, (tuple, list)) else val, self.rows)
+        self.nodes.add(node)
+        return None
+
+    def grow(self) -> str | None:
+        why = self.try_add(self.anchor)
+        if why is not None:
+            return why
+        frontier = [self.anchor]
+        while frontier:
+            node = frontier.pop()
+            wide = self.is_wide(node)
+            for p in node.all_input_nodes:
+                if _is_tensor_node(p) and p not in self.nodes and self.is_wide(p) and self.try_add(p) is None:
+                    frontier.append(p)
+            if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), tuple):
+                for u in node.users:
+                    if u not in self.nodes and self.try_add(u) is None:
+                        frontier.append(u)
+        self._absorb_narrow_closure()
+        self._evict_wide_escapes()
+        if self.anchor not in self.nodes:
+            # The anchor's own value is needed outside; another normaliser may still lead.
+            anchors = [n for n in self.nodes if n.target in rowlocal.ANCHORS]
+            if not anchors:
+                return "its [rows, V] values are needed outside it"
+            self.anchor = anchors[0]
+        return None
+
+    def _absorb_narrow_closure(self):
+        """Add the narrow ops that finish a quantity: sign flips, views and casts of a region
+        value (`-sum(p * logp)`, `.squeeze(-1)`), and ops combining several region values
+        (`lse - sum(p * x)`). Further per-token math (`2 * logp`, `logp - old`) stays outside,
+        so each output is the quantity itself."""
+        changed = True
+        while changed:
+            changed = False
+            for node in list(self.nodes):
+                for u in node.users:
+                    if u in self.nodes or u.op != "call_function":
+                        continue
+                    inputs = [a for a in u.all_input_nodes if _is_tensor_node(a)]
+                    finishing = u.target in _FINISHING or len(set(inputs)) >= 2
+                    if finishing and all(a in self.nodes for a in inputs) and self.try_add(u) is None:
+                        changed = True
+
+    def _evict_wide_escapes(self):
+        """Drop wide nodes used outside the region (and their in-region producers)."""
+        changed = True
+        while changed:
+            changed = False
+            for node in list(self.nodes):
+                escapes = any(u not in self.nodes for u in node.users)
+                if escapes and self.is_wide(node):
+                    self.nodes.discard(node)
+                    changed = True
+            # A tuple-valued node whose getitems left the region must go too.
+            for node in list(self.nodes):
+                if node.target is operator.getitem and node.args[0] not in self.nodes:
+                    self.nodes.discard(node)
+                    changed = True
+
+
+def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Candidate]]:
+    """All row-local regions of `gm`, plus the anchors that could not start one and why."""
+    modes = grad_modes(gm.graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    claimed: set = set()
+    regions, rejected = [], []
+    for node in gm.graph.nodes:
+        if node in claimed or node.op != "call_function" or node.target not in rowlocal.ANCHORS:
+            continue
+        source = node.args[0] if node.args else None
+        if not _is_tensor_node(source) or source.meta["val"].ndim < 1:
+            continue
+        grower = _Grower(node, modes, claimed)
+        why = grower.grow()
+        if why is None:
+            why = _finish(grower, order, regions)
+        if why is not None:
+            rejected.append(Candidate(source_of(node), f"{rowlocal._name(node)}: {why}"))
+    return regions, rejected
+
+
+def _finish(grower: _Grower, order, regions) -> str | None:
+    nodes = sorted(grower.nodes, key=order.__getitem__)
+    inside = set(nodes)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    if not outputs:
+        return "nothing computed from it is used"
+    inputs = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    if not any(grower.is_wide(a) for a in inputs if _is_tensor_node(a)):
+        return "it reads no [rows, V] input"
+    grower.claimed.update(nodes)
+    regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs))
+    return None

@@ -1,0 +1,241 @@
+"""Which ATen ops are row-local, and how each looks in the canonical per-chunk layout.
+
+A tensor in a region over R rows is either a *row* tensor (its leading dims flatten to R rows
+with an optional trailing width: `[*rows]`, `[*rows, w]`) or a *broadcast* one (every row dim
+is 1). On one chunk of r rows, a row tensor is `[r, w]` and a broadcast tensor `[1, w]` or 0-d;
+each row-local op maps to the same op with its dim arguments pointed at the last dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+
+from graphpass._torch_api import known_equal
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a tensor's rows are: `row` ([*rows] or [*rows, width]) or `bcast`."""
+
+    kind: str
+    width: object  # int or SymInt
+    row_dims: int  # how many leading dims index rows (tail present iff row_dims < ndim)
+
+
+def layout_of(val, rows) -> Layout | None:
+    """Classify a fake tensor relative to a region with `rows` rows; None if neither."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    shape = val.shape
+    if len(shape) == 0:
+        return Layout("bcast", 1, 0)
+    lead = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    if known_equal(lead, rows):
+        return Layout("row", shape[-1], len(shape) - 1)
+    if known_equal(math.prod(shape), rows):
+        return Layout("row", 1, len(shape))
+    if known_equal(lead, 1):
+        return Layout("bcast", shape[-1], len(shape) - 1)
+    return None
+
+
+# ---- op families ------------------------------------------------------------------------
+_IDENTITY_LIKE = {
+    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+    aten.detach.default, aten.alias.default, aten.contiguous.default, aten.type_as.default,
+    aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.zeros_like.default,
+    aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+    aten.special_entr.default, aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other,
+    aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+}
+_VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
+    aten.expand.default,
+}
+_REDUCTIONS = {  # over the last dim; `dim` is a list for these
+    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+    aten.logsumexp.default, aten.any.dims, aten.all.dims,
+}
+_REDUCTIONS_INT_DIM = {aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim,
+                       aten.any.dim, aten.all.dim, aten.prod.dim_int}
+_SOFTMAX = {aten.log_softmax.int, aten.softmax.int, aten._log_softmax.default, aten._softmax.default}
+_GATHER = {aten.gather.default, aten.take_along_dim.default}
+_NLL = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+
+#: Ops that start a region: they normalise a distribution over the vocabulary.
+ANCHORS = _SOFTMAX | {aten.logsumexp.default} | _NLL
+
+
+def is_pointwise(target) -> bool:
+    return target in _IDENTITY_LIKE or (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+
+
+def _normalized(node) -> dict | None:
+    """The node's arguments by schema name, defaults filled in."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    kw = {a.name: v for a, v in zip(schema.arguments, node.args)}
+    kw.update(node.kwargs)
+    for a in schema.arguments:
+        if a.name not in kw and a.has_default_value():
+            kw[a.name] = a.default_value
+    return kw
+
+
+def _last_dim(dim, ndim) -> bool:
+    return isinstance(dim, int) and dim % max(ndim, 1) == ndim - 1
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+
+def operand_role(operand_val, out_val, out_layout: Layout) -> str | None:
+    """How a pointwise operand lines up with the op's output rows: row, bcast, or None."""
+    if not isinstance(operand_val, torch.Tensor) or operand_val.ndim == 0:
+        return "bcast"
+    if operand_val.ndim > out_val.ndim:
+        return None
+    padded = (1,) * (out_val.ndim - operand_val.ndim) + tuple(operand_val.shape)
+    k = out_layout.row_dims
+    if all(known_equal(a, b) for a, b in zip(padded[:k], out_val.shape[:k])):
+        return "row"
+    if all(known_equal(a, 1) for a in padded[:k]):
+        return "bcast"
+    return None
+
+
+def check(node, rows, layouts: dict) -> str | None:
+    """Why `node` is not row-local in a region of `rows` rows, or None if it is.
+
+    `layouts` maps already-classified nodes to their Layout (inputs classify on demand).
+    """
+    target = node.target
+    if node.op != "call_function":
+        return f"{node.op} is not an op"
+    if target is operator.getitem:
+        return None if node.args[0] in layouts else "getitem of a value outside the region"
+    val = node.meta.get("val")
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    out_layouts = [layout_of(v, rows) for v in outs]
+    if any(lay is None or lay.kind != "row" for lay in out_layouts):
+        return f"{_name(node)} output is not laid out over the region's rows"
+    out_layout = out_layouts[0]
+    tensor_args = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    if is_pointwise(target):
+        for a in tensor_args:
+            if operand_role(_val(a), val, out_layout) is None:
+                return f"{_name(node)} broadcasts {a.name} across rows"
+        return None
+    first = node.args[0] if node.args else None
+    in_layout = layouts.get(first) or layout_of(_val(first), rows)
+    if in_layout is None or in_layout.kind != "row":
+        return f"{_name(node)} input is not laid out over the rows"
+    ndim = _val(first).ndim
+    has_tail = in_layout.row_dims < ndim
+    if target in _VIEWS:
+        if known_equal(in_layout.width, out_layout.width) or (
+                target is aten.expand.default and known_equal(in_layout.width, 1)):
+            return None
+        return f"{_name(node)} moves elements between rows and the vocabulary"
+    kw = _normalized(node)
+    if kw is None:
+        return f"cannot read the arguments of {_name(node)}"
+    if target in _REDUCTIONS:
+        dims = kw.get("dim")
+        if not (has_tail and dims is not None and len(dims) == 1 and _last_dim(dims[0], ndim)):
+            return f"{_name(node)} reduces over rows, not the vocabulary"
+        return None
+    if target in _REDUCTIONS_INT_DIM or target in _SOFTMAX:
+        if not (has_tail and _last_dim(kw.get("dim"), ndim)):
+            return f"{_name(node)} is not over the last dim"
+        return None
+    if target in _GATHER:
+        index = kw.get("index", kw.get("indices"))
+        index_layout = layout_of(_val(index), rows)
+        if not (has_tail and _last_dim(kw.get("dim"), ndim) and index_layout is not None
+                and index_layout.kind == "row" and _val(index).ndim == ndim):
+            return f"{_name(node)} does not pick along the vocabulary with a per-row index"
+        return None
+    if target in _NLL:
+        target_val = _val(kw.get("target"))
+        weight = kw.get("weight")
+        if ndim != 2 or kw.get("reduction") != 0 or target_val is None or target_val.ndim != 1:
+            return f"{_name(node)} is not per-token ([N, V] logits, reduction='none')"
+        if weight is not None and _val(weight).ndim != 1:
+            return f"{_name(node)} has a weight that is not per-class"
+        return None
+    if target is aten.slice.Tensor:
+        if has_tail and _last_dim(kw.get("dim"), ndim) and all(
+                isinstance(kw.get(k), (int, type(None))) for k in ("start", "end", "step")):
+            return None
+        return "slice over rows"
+    return f"{_name(node)} is not a row-local op"
+
+
+def _name(node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+# ---- canonical emission ------------------------------------------------------------------
+def emit(graph: torch.fx.Graph, node, env, layouts):
+    """Append `node`'s canonical per-chunk form to `graph`; `env` maps old nodes to new ones."""
+    target = node.target
+
+    def arg(a):
+        return torch.fx.node.map_arg(a, lambda n: env[n])
+
+    if target is operator.getitem:
+        return graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
+    if is_pointwise(target):
+        return graph.call_function(target, arg(node.args), arg(node.kwargs))
+    source = node.args[0]
+    if target in _VIEWS:
+        if known_equal(layouts[source].width, layouts[node].width):
+            return env[source]
+        return graph.call_function(aten.expand.default, (env[source], [-1, _static(layouts[node].width)]))
+    kw = _normalized(node)
+    if target in _REDUCTIONS:
+        kw.update(dim=[-1], keepdim=True)
+    elif target in _REDUCTIONS_INT_DIM:
+        kw.update(dim=-1, keepdim=True)
+    elif target in _SOFTMAX or target is aten.slice.Tensor:
+        kw.update(dim=-1)
+    elif target in _GATHER:
+        index = kw.pop("index", None) or kw.pop("indices")
+        return graph.call_function(aten.gather.default, (env[source], -1, env[index]))
+    elif target in _NLL:
+        kw = {k: arg(v) for k, v in kw.items()}
+        kw["target"] = graph.call_function(aten.squeeze.dim, (kw["target"], -1))
+        if kw.get("weight") is not None:
+            kw["weight"] = graph.call_function(aten.reshape.default, (kw["weight"], [-1]))
+        loss = _call(graph, target, kw)
+        return graph.call_function(aten.unsqueeze.default, (loss, -1))
+    return _call(graph, target, {k: arg(v) for k, v in kw.items()})
+
+
+def _call(graph, target, kw):
+    """Call an ATen overload from normalized kwargs: positional args in schema order."""
+    args, kwargs = [], {}
+    for a in target._schema.arguments:
+        if a.name not in kw:
+            continue
+        if a.kwarg_only:
+            kwargs[a.name] = kw[a.name]
+        else:
+            args.append(kw[a.name])
+    return graph.call_function(target, tuple(args), kwargs)
+
+
+def _static(width):
+    return width if isinstance(width, int) else -1

@@ -1,0 +1,206 @@
+"""Replace each row-local region by one chunked, recomputing `graphpass::rowwise_chunked` op.
+
+Before (the user's spelling, at ATen level)::
+
+    to = aten.to.dtype(logits, float32); div = aten.div.Tensor(to, 0.7)
+    lsm = aten.log_softmax.int(div, -1); lp = aten.gather(lsm, -1, idx).squeeze(-1)
+    ent = aten.neg(aten.sum.dim_IntList(aten.mul(aten.exp(lsm), lsm), [-1]))
+
+After::
+
+    op = graphpass.rowwise_chunked("r<hash>", [logits, idx], [], [T, T])
+    lp, ent = op[0], op[1]
+
+The program behind the key runs the same ops on `[chunk, V]` slices; see `graphpass.chunked_op`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphpass import chunked_op, rowlocal
+from graphpass._torch_api import known_equal
+from graphpass.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
+from graphpass.records import Candidate, OutputRecord, SiteRecord
+from graphpass.regions import Region, find_regions, source_of
+from passes.tag_grad_flow import GRAD_FLOWS
+
+log = logging.getLogger("graphpass")
+aten = torch.ops.aten
+
+
+class RegionRejected(Exception):
+    """A region that cannot be expressed as a chunked program; the message says why."""
+
+
+def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.fx.GraphModule:
+    """Rewrite every row-local region of `gm` into a chunked op; fill `record.sites/rejected`."""
+    regions, rejected = find_regions(gm)
+    record.rejected.extend(rejected)
+    for region in regions:
+        try:
+            program, input_nodes, scalar_nodes = _build_program(region, config)
+        except RegionRejected as e:
+            record.rejected.append(Candidate(source_of(region.anchor), str(e)))
+            log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
+            continue
+        record.sites.append(_site_record(region, program, input_nodes))
+        _replace(gm.graph, region, program, input_nodes, scalar_nodes)
+    return gm
+
+
+def _input_spec(node, rows) -> InputSpec:
+    val = node.meta["val"]
+    lay = rowlocal.layout_of(val, rows)
+    if lay is None:
+        raise RegionRejected(f"input {node.name} {tuple(val.shape)} neither spans nor broadcasts over the rows")
+    if lay.kind == "bcast":
+        return InputSpec(SCALAR, 1) if val.ndim == 0 else InputSpec(BCAST, _static_width(lay.width))
+    return InputSpec(ROW if known_equal(lay.width, 1) else WIDE, _static_width(lay.width, allow_symbolic=True))
+
+
+def _static_width(width, allow_symbolic=False):
+    if isinstance(width, int):
+        return width
+    if allow_symbolic:
+        return -1  # a symbolic vocabulary: read from the tensor at run time
+    raise RegionRejected("a narrow width is symbolic")
+
+
+def _build_program(region: Region, config):
+    """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram."""
+    graph = torch.fx.Graph()
+    env, specs, input_nodes, scalar_nodes = {}, [], [], []
+    tensor_inputs = [n for n in region.inputs if isinstance(n.meta.get("val"), torch.Tensor)]
+    for node in tensor_inputs:
+        specs.append(_input_spec(node, region.rows))
+        env[node] = graph.placeholder(f"in{len(input_nodes)}_{node.name}")
+        input_nodes.append(node)
+    for node in region.inputs:
+        if node in env:
+            continue
+        if not isinstance(node.meta.get("val"), torch.SymFloat):
+            raise RegionRejected(f"it reads {node.name}, a runtime value that is not a float")
+        env[node] = graph.placeholder(f"scalar{len(scalar_nodes)}_{node.name}")
+        scalar_nodes.append(node)
+    if not any(s.role == WIDE for s in specs):
+        raise RegionRejected("it reads no [rows, V] input")
+    for node in region.nodes:
+        env[node] = rowlocal.emit(graph, node, env, region.layouts)
+    graph.output(tuple(env[o] for o in region.outputs))
+    outputs = []
+    for o in region.outputs:
+        val = o.meta["val"]
+        lay = region.layouts[o]
+        if not isinstance(val, torch.Tensor):
+            raise RegionRejected(f"output {o.name} is not a tensor")
+        keeps = bool(o.meta.get(GRAD_FLOWS, True))
+        outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, keeps))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    program = RegionProgram(module, specs, outputs, len(scalar_nodes), chunk_size=config.chunk_size,
+                            chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
+                            index_checks=_index_checks(region, input_nodes))
+    _validate(program, [n.meta["val"] for n in input_nodes])
+    chunked_op.register(program)
+    return program, input_nodes, scalar_nodes
+
+
+def _index_checks(region, input_nodes):
+    """(input position, ignore_index or None) for inputs used as token ids, to range-check."""
+    checks = []
+    for node in region.nodes:
+        if node.target in (aten.gather.default, aten.take_along_dim.default):
+            index = node.args[2] if node.target is aten.gather.default else node.args[1]
+            ignore = None
+        elif node.target in (aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default):
+            index = node.args[1]
+            ignore = node.kwargs.get("ignore_index", node.args[4] if len(node.args) > 4 else -100)
+        else:
+            continue
+        if index in input_nodes:
+            checks.append((input_nodes.index(index), ignore))
+    return checks
+
+
+def _validate(program: RegionProgram, input_vals):
+    """Run the per-chunk program on small fake chunks: shapes must come out as [rows, w]."""
+    with FakeTensorMode():
+        args = []
+        for spec, val in zip(program.inputs, input_vals):
+            width = val.shape[-1] if spec.role == WIDE else spec.width
+            shape = {WIDE: (3, width), ROW: (3, spec.width), BCAST: (1, spec.width), SCALAR: ()}[spec.role]
+            if isinstance(width, torch.SymInt):
+                raise RegionRejected("symbolic vocabulary size")
+            args.append(torch.empty(shape, dtype=val.dtype))
+        try:
+            outs = program.graph_module(*args, *[0.5] * program.n_scalars)
+        except Exception as e:  # noqa: BLE001 - any failure means the emission is not valid here
+            raise RegionRejected(f"per-chunk program does not trace: {type(e).__name__}: {e}") from None
+    for out, spec in zip(outs, program.outputs):
+        if tuple(out.shape) != (3, spec.width) or out.dtype != spec.dtype:
+            raise RegionRejected(f"per-chunk output {tuple(out.shape)} {out.dtype} != (3, {spec.width}) {spec.dtype}")
+
+
+def _size_node(graph, size, input_nodes):
+    """An int, or a graph node computing a symbolic `size` from some input's dims."""
+    if isinstance(size, int):
+        return size
+    for node in input_nodes:
+        shape = node.meta["val"].shape
+        for start in range(len(shape)):
+            for stop in range(start + 1, len(shape) + 1):
+                if known_equal(math.prod(shape[start:stop]), size):
+                    dims = [graph.call_function(aten.sym_size.int, (node, d)) for d in range(start, stop)]
+                    for d, s in zip(dims, range(start, stop)):
+                        d.meta["val"] = shape[s]
+                    total = dims[0]
+                    for d in dims[1:]:
+                        total = graph.call_function(operator.mul, (total, d))
+                        total.meta["val"] = size
+                    return total
+    raise RegionRejected(f"cannot express output size {size} from the region's inputs")
+
+
+def _replace(graph, region: Region, program, input_nodes, scalar_nodes):
+    inside = set(region.nodes)
+    with graph.inserting_after(region.nodes[-1]):
+        anchor_node = graph.call_function(operator.getitem, ((None,), 0))  # placeholder position marker
+    with graph.inserting_before(anchor_node):
+        sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
+        op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default,
+                                 (program.key, list(input_nodes), list(scalar_nodes), sizes))
+        op.meta["val"] = [o.meta["val"] for o in region.outputs]
+        op.meta["stack_trace"] = region.anchor.meta.get("stack_trace")
+        op.meta["graphpass.program"] = program.key
+        for i, out in enumerate(region.outputs):
+            item = graph.call_function(operator.getitem, (op, i))
+            item.meta.update(out.meta)
+            out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+    graph.erase_node(anchor_node)
+    for node in reversed(region.nodes):
+        graph.erase_node(node)
+
+
+def _site_record(region: Region, program: RegionProgram, input_nodes) -> SiteRecord:
+    from graphpass.recognize import label_output
+
+    outputs = []
+    for node, spec in zip(region.outputs, program.outputs):
+        label = label_output(node)
+        outputs.append(OutputRecord(label.kind, spec.keeps_grad, label.temperature))
+    wide = input_nodes[program.wide_input_positions[0]].meta["val"]
+    return SiteRecord(
+        kind="+".join(o.kind for o in outputs),
+        source=source_of(region.anchor),
+        shape=tuple(wide.shape),
+        dtype=wide.dtype,
+        chunk_size=program.chunk_size,
+        outputs=outputs,
+        program_key=program.key,
+        wide_inputs=len(program.wide_input_positions),
+    )

@@ -1,0 +1,78 @@
+"""Tag each node with whether its gradient can reach a differentiable graph output."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from graphpass.regions import grad_modes
+
+aten = torch.ops.aten
+
+GRAD_FLOWS = "graphpass.grad_flows"
+
+# Ops whose result carries no gradient to their inputs.
+_BLOCKS_GRAD = {
+    aten.detach.default, aten.argmax.default, aten.argmin.default, aten.sign.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+    aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+    aten.isnan.default, aten.isinf.default, aten.isfinite.default, aten.logical_not.default,
+    aten.logical_and.default, aten.logical_or.default, aten.floor.default, aten.ceil.default,
+    aten.round.default, aten.trunc.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.empty_like.default, aten.full_like.default, aten.item.default,
+}
+_MUL = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def _is_zero_constant(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool) and x == 0
+
+
+def _edges_carrying_grad(node, modes):
+    """The inputs of `node` that receive a gradient from it (if it requires grad at all)."""
+    if node.op != "call_function" or not modes[node] or node.target in _BLOCKS_GRAD:
+        return []
+    if node.target in _MUL and any(_is_zero_constant(a) for a in node.args):
+        return []  # a constant-0 coefficient: `0.0 * entropy.mean()`
+    inputs = node.all_input_nodes
+    if node.target in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        inputs = [a for a in inputs if a is not (node.args[0] if node.target is aten.where.self else node.args[1])]
+    return inputs
+
+
+def _requires_grad(gm, example_inputs, modes) -> dict:
+    """Which nodes require grad. (make_fx stores detached fake values, so we derive it.)"""
+    requires = {}
+    inputs = iter(example_inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            x = next(inputs, None)
+            requires[node] = isinstance(x, torch.Tensor) and x.requires_grad
+        else:
+            requires[node] = any(requires.get(a, False) and a in _edges_carrying_grad(node, modes)
+                                 for a in node.all_input_nodes)
+    return requires
+
+
+def tag_grad_flow_pass(gm: torch.fx.GraphModule, example_inputs, **_) -> torch.fx.GraphModule:
+    """Set `node.meta["graphpass.grad_flows"]`: True iff it requires grad and a gradient from
+    the graph outputs can reach it.
+
+    Blocked by detach, no_grad blocks, non-differentiable ops, and multiplication by a constant
+    0 (Dynamo bakes a Python-float coefficient into the graph on first compile).
+    """
+    modes = grad_modes(gm.graph)
+    nodes = list(gm.graph.nodes)
+    requires = _requires_grad(gm, example_inputs, modes)
+    flows = {n: False for n in nodes}
+    for out in gm.graph.find_nodes(op="output"):
+        for a in out.all_input_nodes:
+            flows[a] = requires[a]
+    for node in reversed(nodes):
+        if flows[node]:
+            for a in _edges_carrying_grad(node, modes):
+                flows[a] = requires.get(a, False)
+    for node in nodes:
+        node.meta[GRAD_FLOWS] = flows[node]
+    return gm
