@@ -1,0 +1,384 @@
+"""Peak-memory model of one forward+backward, from fake-tensor metadata only.
+
+`estimate_peak(gm, fake_inputs)` traces the graph's joint forward+backward on fake tensors
+(the autograd engine runs, so the backward is exactly the ops eager would run, in eager's order,
+saving exactly what eager's autograd formulas save) and walks it with storage liveness:
+
+- a storage is allocated by the first node that produces it and freed after the last node that
+  reads any tensor sharing it (views, `detach`, in-place ops share their input's storage);
+- the graph's inputs (and backward tangents) are the baseline and never count;
+- the graph's outputs (the loss, the gradients that become `.grad`) live to the end;
+- in the backward, the autograd engine accumulates a gradient in place when it holds the last
+  reference (`InputBuffer::accumulate`), and `gather`'s backward scatters into its fresh zeros in
+  place; tracing records both out of place, so the walk re-applies eager's in-place reuse;
+- a graphpass chunked op adds its program's per-chunk workspace while it runs, forward and
+  backward. Its real backward loops over chunks in Python, so the joint trace replaces it by a
+  stub that allocates exactly what the real one returns: one gradient buffer per input that
+  needs one, in that input's dtype.
+
+Nothing is allocated: every tensor is a fake tensor. `estimate_rewrite(result)` compares the
+graph before and after graphpass's rewrite and attributes the difference to the sites.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+import torch.utils._pytree as pytree
+
+from graphpass import _torch_api
+
+
+@dataclasses.dataclass
+class LiveTensor:
+    """A storage alive at the peak."""
+
+    node: str
+    """Name of the node in the joint graph that allocated it."""
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+    phase: str
+    """"forward" or "backward": which half of the step allocated it."""
+
+
+@dataclasses.dataclass
+class PeakEstimate:
+    """Estimated peak bytes of one forward+backward of a graph, above its inputs."""
+
+    peak_bytes: int
+    """Peak bytes above the baseline, including any chunked op's per-chunk workspace."""
+    baseline_bytes: int
+    """Bytes of the graph's inputs (e.g. the logits): present before and after, never counted."""
+    floor_bytes: int
+    """Bytes of the input gradients the step must produce anyway (e.g. `logits.grad`)."""
+    saved_bytes: int
+    """Bytes alive between forward and backward: what the forward saved for backward."""
+    peak_node: str
+    """Node of the joint graph at which the peak is reached."""
+    peak_phase: str
+    """"forward" or "backward"."""
+    live_at_peak: list[LiveTensor] = dataclasses.field(default_factory=list)
+    """The storages alive at the peak, largest first."""
+    workspace_bytes: int = 0
+    """Transient bytes of a chunked op included in the peak (0 when the peak is elsewhere)."""
+
+    @property
+    def peak_over_floor(self) -> float:
+        return self.peak_bytes / self.floor_bytes if self.floor_bytes else float("nan")
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Peak before and after graphpass's rewrite of one graph, and what each site removes."""
+
+    before: PeakEstimate
+    after: PeakEstimate
+    site_bytes_saved: list[int]
+    """Bytes each rewritten site removes from the peak, in `GraphRecord.sites` order."""
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.before.peak_bytes - self.after.peak_bytes
+
+    @property
+    def fraction_saved(self) -> float:
+        return self.bytes_saved / self.before.peak_bytes if self.before.peak_bytes else 0.0
+
+
+# ---- joint trace --------------------------------------------------------------------------------
+def _chunked_op():
+    try:
+        return torch.ops.graphpass.rowwise_chunked.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _is_chunked_op(target) -> bool:
+    """The chunked op or the memory model's stand-in for its backward (both take the key first)."""
+    return (target is _chunked_op() and target is not None) or str(getattr(target, "namespace", "")) in (
+        "graphpass", "graphpass_memory")
+
+
+def _program(key):
+    from graphpass import chunked_op
+
+    return chunked_op.program(key)
+
+
+def _rows_vocab(tensors, prog) -> tuple[int, int]:
+    wide = tensors[prog.wide_input_positions[0]]
+    vocab = _torch_api.size_hint(wide.shape[-1])
+    rows = _torch_api.size_hint(wide.numel()) // vocab if vocab else 0
+    return rows, vocab
+
+
+def workspace_bytes(key: str, tensors) -> int:
+    """Per-chunk transient bytes of the chunked op `key` over these inputs (0 if unknown)."""
+    try:
+        prog = _program(key)
+    except Exception:
+        return 0
+    rows, vocab = _rows_vocab(tensors, prog)
+    fn = prog.workspace_bytes
+    # The contract said workspace_bytes(rows); the op takes (rows, vocab): accept both.
+    n_params = len(inspect.signature(fn).parameters)
+    return int(fn(rows, vocab) if n_params >= 2 else fn(rows))
+
+
+@torch.library.custom_op("graphpass_memory::chunked_backward", mutates_args=())
+def _chunked_backward(key: str, tensors: list[torch.Tensor], needs_grad: list[bool]) -> list[torch.Tensor]:
+    """Stand-in for the chunked op's backward in the memory model; never runs on real data."""
+    raise RuntimeError("graphpass.memory: the backward stub only runs on fake tensors")
+
+
+@_chunked_backward.register_fake
+def _(key, tensors, needs_grad):
+    # The real backward returns one buffer per input needing a gradient, in the input's dtype
+    # (the fp32 accumulators of broadcast inputs are tiny); unneeded ones are not allocated.
+    return [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(tensors, needs_grad)]
+
+
+class _ChunkedStub(torch.autograd.Function):
+    """The chunked op with a backward the joint trace can record as one node."""
+
+    @staticmethod
+    def forward(ctx, key, scalars, extra, keeps_grad, *tensors):
+        outs = _chunked_op()(key, list(tensors), scalars, *extra)
+        ctx.key = key
+        ctx.needs = [t.requires_grad and t.is_floating_point() for t in tensors]
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        frozen = [o for o, keep in zip(outs, keeps_grad) if not keep]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        tensors = ctx.saved_tensors
+        if all(g is None for g in grad_outputs):
+            return (None,) * (4 + len(tensors))
+        grads = torch.ops.graphpass_memory.chunked_backward(ctx.key, list(tensors), ctx.needs)
+        return (None, None, None, None, *[g if need else None for g, need in zip(grads, ctx.needs)])
+
+
+def _chunked_stub(key, tensors, scalars, *extra):
+    try:
+        keeps = [o.keeps_grad for o in _program(key).outputs]
+    except Exception:
+        keeps = None
+    outs = _ChunkedStub.apply(key, scalars, extra, keeps or [True] * 64, *tensors)
+    return list(outs)
+
+
+def _with_stubs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` whose chunked-op calls go through `_ChunkedStub` (same forward node)."""
+    op = _chunked_op()
+    if op is None or not any(n.target is op for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is op:
+            node.target = _chunked_stub
+    return torch.fx.GraphModule(gm, graph)
+
+
+def trace_joint(gm: torch.fx.GraphModule, fake_inputs) -> tuple[torch.fx.GraphModule, int, int]:
+    """The joint forward+backward of `gm` as an ATen graph on fake tensors.
+
+    Returns (joint graph, number of primal placeholders, number of tangent placeholders). The
+    joint's outputs are (forward outputs, gradients of the inputs that require grad).
+    """
+    fake_mode = _torch_api.detect_fake_mode(fake_inputs)
+    gm = _with_stubs(gm)
+    primals = list(fake_inputs)
+    with fake_mode, torch.enable_grad():
+        outs = gm(*primals)
+    flat_outs = pytree.tree_leaves(outs)
+    diff_idx = [i for i, o in enumerate(flat_outs)
+                if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    params = [i for i, x in enumerate(primals) if isinstance(x, torch.Tensor) and x.requires_grad]
+    with fake_mode:
+        # The engine seeds `loss.backward()` with ones; they are inputs to the walk, like the primals.
+        tangents = [torch.ones_like(flat_outs[i]) for i in diff_idx] if params else []
+    n_primals = len(primals)
+
+    def joint(*args):
+        xs, ts = args[:n_primals], args[n_primals:]
+        with torch.enable_grad():
+            out = gm(*xs)
+        flat = pytree.tree_leaves(out)
+        grads = []
+        if ts:
+            grads = torch.autograd.grad([flat[i] for i in diff_idx], [xs[i] for i in params], list(ts),
+                                        allow_unused=True)
+        return out, list(grads)
+
+    with fake_mode:
+        joint_gm = _torch_api.make_fx(joint)(*primals, *tangents)
+    return joint_gm, n_primals, len(tangents)
+
+
+# ---- liveness walk -------------------------------------------------------------------------------
+# Ops whose backward formula writes into a fresh zeros buffer in place in eager
+# (e.g. gather_backward: new_zeros(...).scatter_add_(...)); tracing records them out of place.
+_INPLACE_IN_EAGER = {"scatter_add", "scatter", "index_add", "index_put", "masked_scatter",
+                     "slice_scatter", "select_scatter", "index_copy", "scatter_reduce"}
+_FRESH_BUFFERS = {"new_zeros", "zeros", "zeros_like", "new_full", "full", "full_like", "new_empty",
+                  "empty", "empty_like"}
+
+
+def _op_name(target) -> str:
+    name = getattr(target, "__name__", "")
+    packet = getattr(target, "_overloadpacket", None)
+    return getattr(packet, "__name__", name.split(".")[0])
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _torch_api.size_hint(t.untyped_storage().nbytes())
+
+
+def walk(joint_gm: torch.fx.GraphModule, n_inputs: int) -> PeakEstimate:
+    """Storage liveness over a joint graph whose first `n_inputs` placeholders are the baseline."""
+    nodes = list(joint_gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    n_primals = min(n_inputs, len(placeholders))
+    # Backward starts at the first node that reads a tangent.
+    tangent_set = set(placeholders[n_primals:])
+    bwd_start = min((index[u] for t in tangent_set for u in t.users), default=end)
+
+    keys: dict = {}  # node -> storage keys of its value
+    info: dict = {}  # storage key -> (nbytes, allocating node)
+    baseline: set = set()
+    for n in nodes:
+        ts = _tensors(n.meta.get("val"))
+        keys[n] = [_torch_api.storage_key(t) for t in ts]
+        for k, t in zip(keys[n], ts):
+            if k not in info:
+                info[k] = (_nbytes(t), n, t)
+            if n.op == "placeholder":
+                baseline.add(k)
+
+    last_use: dict = {}
+    for n in nodes:
+        uses = [end if u.op == "output" else index[u] for u in n.users]
+        if n.op == "output":
+            continue
+        for k in keys[n]:
+            last_use[k] = max([last_use.get(k, index[n]), *uses])
+    for k in pytree.tree_leaves([keys[a] for a in nodes[-1].all_input_nodes]):
+        last_use[k] = end  # graph outputs live to the end
+
+    # Eager's in-place reuse (see module docstring): map a node's new storage onto a dying operand's.
+    reuse: dict = {}
+    for n in nodes[bwd_start:]:
+        if n.op != "call_function" or len(keys[n]) != 1:
+            continue
+        name = _op_name(n.target)
+        out_key = keys[n][0]
+        out_bytes = info[out_key][0]
+        candidates = []
+        if name == "add":
+            candidates = [a for a in n.args[:2] if isinstance(a, torch.fx.Node)]
+        elif name in _INPLACE_IN_EAGER and isinstance(n.args[0], torch.fx.Node):
+            if _op_name(getattr(n.args[0], "target", None)) in _FRESH_BUFFERS:
+                candidates = [n.args[0]]
+        for a in candidates:
+            if len(keys.get(a, ())) != 1:
+                continue
+            k = reuse.get(keys[a][0], keys[a][0])
+            if (k not in baseline and index[info[k][1]] >= bwd_start and last_use.get(k) == index[n]
+                    and info[k][0] == out_bytes and k != out_key):
+                reuse[out_key] = k
+                last_use[k] = max(last_use[k], last_use.get(out_key, index[n]))
+                break
+
+    def canon(k):
+        while k in reuse:
+            k = reuse[k]
+        return k
+
+    frees: dict = {}
+    for k, i in last_use.items():
+        if k in baseline or k in reuse:
+            continue
+        frees.setdefault(i, []).append(k)
+
+    live: dict = {}
+    live_bytes = peak = saved = 0
+    peak_node, peak_phase, peak_live, peak_ws = "", "forward", {}, 0
+    for i, n in enumerate(nodes):
+        if i == bwd_start:
+            saved = live_bytes
+        for k in keys[n]:
+            k = canon(k)
+            if k in baseline or k in live:
+                continue
+            live[k] = info[k]
+            live_bytes += info[k][0]
+        ws = 0
+        if n.op == "call_function" and _is_chunked_op(n.target) and n.args and isinstance(n.args[0], str):
+            args_tensors = [a.meta["val"] for a in n.args[1] if isinstance(a, torch.fx.Node)]
+            ws = workspace_bytes(n.args[0], args_tensors)
+        if live_bytes + ws > peak:
+            peak, peak_node, peak_live, peak_ws = live_bytes + ws, n.name, dict(live), ws
+            peak_phase = "backward" if i >= bwd_start else "forward"
+        for k in frees.get(i, ()):
+            if k in live:
+                live_bytes -= live.pop(k)[0]
+
+    baseline_bytes = sum(info[k][0] for k in baseline)
+    out_node = nodes[-1]
+    grads = out_node.args[0][1] if out_node.args and isinstance(out_node.args[0], (tuple, list)) \
+        and len(out_node.args[0]) == 2 else []
+    floor = sum(info[canon(k)][0] for g in grads if isinstance(g, torch.fx.Node) for k in keys[g])
+    live_list = sorted(
+        (LiveTensor(node.name, nb, tuple(_torch_api.size_hint(s) for s in t.shape), t.dtype,
+                    "backward" if index[node] >= bwd_start else "forward")
+         for nb, node, t in peak_live.values()),
+        key=lambda lt: -lt.nbytes)
+    return PeakEstimate(peak_bytes=peak, baseline_bytes=baseline_bytes, floor_bytes=floor,
+                        saved_bytes=saved, peak_node=peak_node, peak_phase=peak_phase,
+                        live_at_peak=live_list, workspace_bytes=peak_ws)
+
+
+def estimate_peak(gm: torch.fx.GraphModule, fake_inputs) -> PeakEstimate:
+    """Estimated peak bytes above the inputs of one forward+backward of `gm` (eager semantics)."""
+    joint_gm, n_primals, _ = trace_joint(gm, fake_inputs)
+    return walk(joint_gm, n_primals)
+
+
+def estimate_rewrite(result) -> MemoryEstimate:
+    """Before/after peaks of a `RewriteResult` and the bytes each site removes.
+
+    With several sites the total saving is split in proportion to each site's wide-input
+    elements (rows x V): sites that do the same thing on the same shapes save the same.
+    """
+    before = estimate_peak(result.before, result.fake_inputs)
+    sites = list(getattr(result.record, "sites", []) or [])
+    rewritten = result.after is not None and result.after is not result.before and sites
+    after = estimate_peak(result.after, result.fake_inputs) if rewritten else before
+    saved = before.peak_bytes - after.peak_bytes
+    weights = [_site_weight(s) for s in sites]
+    total = sum(weights)
+    per_site = [saved * w // total if total else 0 for w in weights] if rewritten else [0] * len(sites)
+    if per_site and rewritten:
+        per_site[-1] += saved - sum(per_site)  # rounding
+    return MemoryEstimate(before=before, after=after, site_bytes_saved=per_site)
+
+
+def _site_weight(site) -> int:
+    n = 1
+    for s in site.shape:
+        n *= s if isinstance(s, int) else 1
+    return max(1, n) * max(1, site.wide_inputs)

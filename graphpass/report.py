@@ -1,0 +1,322 @@
+"""What graphpass did to a loss and what it saves: dataclasses first, rendering second.
+
+`build_graph_report(record, estimate)` turns a `GraphRecord` and its `MemoryEstimate` into a
+`GraphReport`; `render_table` draws it with tabulate, `to_json` serialises a whole `Report`.
+The backend calls `print_graph_report(result)` for every compiled graph when `Config.report` is on
+or `GRAPHPASS_REPORT=1` (see `reporting_enabled`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from graphpass.records import GraphRecord, SiteRecord
+
+_DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+@dataclasses.dataclass
+class SiteReport:
+    """One rewritten region, as a row of the table."""
+
+    source: str
+    kind: str
+    shape: list
+    dtype: str
+    chunk_size: int | None
+    """Rows per chunk as configured, or the size the op picks for these shapes when automatic."""
+    chunk_auto: bool
+    entropy_grad: str
+    """"kept", "dropped", or "-" when the site computes no entropy."""
+    bytes_saved: int
+    temperature: str | None = None
+
+
+@dataclasses.dataclass
+class CandidateReport:
+    """A region the rewrite looked at: rewritten, or not and why."""
+
+    source: str
+    rewritten: bool
+    kind: str = ""
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """One graph: its sites, its candidates, and its estimated (and measured) peak memory."""
+
+    index: int
+    sites: list[SiteReport]
+    candidates: list[CandidateReport]
+    peak_before: int
+    """Estimated peak bytes above the inputs of one forward+backward, as written (eager)."""
+    peak_after: int
+    """The same after graphpass's rewrite."""
+    floor_bytes: int
+    """Bytes of the input gradients (e.g. logits.grad): no implementation goes below."""
+    baseline_bytes: int
+    fallback_reason: str | None = None
+    passes_run: list[str] = dataclasses.field(default_factory=list)
+    measured_before: int | None = None
+    measured_after: int | None = None
+    graph_before: str | None = None
+    """Readable code of the captured ATen graph (CLI and explain only)."""
+    graph_after: str | None = None
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.peak_before - self.peak_after
+
+    @property
+    def fraction_saved(self) -> float:
+        return self.bytes_saved / self.peak_before if self.peak_before else 0.0
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything `graphpass inspect` and `graphpass.explain` found, one entry per graph."""
+
+    graphs: list[GraphReport]
+    function: str = ""
+    inputs: dict = dataclasses.field(default_factory=dict)
+    """Input name -> "shape:dtype" (or the scalar's value) as given."""
+
+    @property
+    def sites(self) -> list[SiteReport]:
+        return [s for g in self.graphs for s in g.sites]
+
+    @property
+    def peak_before(self) -> int:
+        return max((g.peak_before for g in self.graphs), default=0)
+
+    @property
+    def peak_after(self) -> int:
+        return max((g.peak_after for g in self.graphs), default=0)
+
+
+# ---- building ------------------------------------------------------------------------------------
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _chunk_rows(site: SiteRecord) -> int | None:
+    """The rows per chunk the op will use for this site's shapes, when chosen automatically."""
+    if site.chunk_size is not None or not site.program_key:
+        return site.chunk_size
+    try:
+        from graphpass import chunked_op
+
+        prog = chunked_op.program(site.program_key)
+        dims = [int(s) for s in site.shape]
+        vocab = dims[-1]
+        rows = 1
+        for d in dims[:-1]:
+            rows *= d
+        return int(prog.rows_per_chunk(rows, vocab, site.dtype.itemsize))
+    except Exception:  # symbolic shape, program not in this process: leave it "auto"
+        return None
+
+
+def _entropy_grad(site: SiteRecord) -> str:
+    ent = [o for o in site.outputs if o.kind == "entropy"]
+    if not ent:
+        return "-"
+    return "kept" if any(o.keeps_grad for o in ent) else "dropped"
+
+
+def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, measured_after=None,
+                       graph_before: str | None = None, graph_after: str | None = None) -> GraphReport:
+    """A `GraphReport` from what the backend recorded and the memory model's `MemoryEstimate`."""
+    saved = list(estimate.site_bytes_saved) if estimate is not None else []
+    saved += [0] * (len(record.sites) - len(saved))
+    sites = []
+    for site, nbytes in zip(record.sites, saved):
+        temps = [o.temperature for o in site.outputs if o.temperature]
+        sites.append(SiteReport(
+            source=site.source, kind=site.kind, shape=[str(s) if not isinstance(s, int) else s for s in site.shape],
+            dtype=_dtype_name(site.dtype), chunk_size=_chunk_rows(site), chunk_auto=site.chunk_size is None,
+            entropy_grad=_entropy_grad(site), bytes_saved=int(nbytes), temperature=temps[0] if temps else None))
+    candidates = [CandidateReport(s.source, True, kind=s.kind) for s in record.sites]
+    candidates += [CandidateReport(c.source, False, reason=c.reason) for c in record.rejected]
+    before = estimate.before if estimate is not None else None
+    after = estimate.after if estimate is not None else None
+    return GraphReport(
+        index=record.index, sites=sites, candidates=candidates,
+        peak_before=before.peak_bytes if before else 0, peak_after=after.peak_bytes if after else 0,
+        floor_bytes=before.floor_bytes if before else 0, baseline_bytes=before.baseline_bytes if before else 0,
+        fallback_reason=record.fallback_reason, passes_run=list(record.passes_run),
+        measured_before=measured_before, measured_after=measured_after,
+        graph_before=graph_before, graph_after=graph_after)
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+def human_bytes(n: int | None) -> str:
+    """1536 -> "1.5 KiB"; MiB below 1 GiB, GiB above."""
+    if n is None:
+        return ""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{sign}{n / scale:.2f} {unit}" if unit == "GiB" else f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{n} B"
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _shape_text(site: SiteReport) -> str:
+    short = _DTYPE_SHORT.get(getattr(torch, site.dtype, None), site.dtype)
+    return "x".join(str(s) for s in site.shape) + " " + short
+
+
+def _chunk_text(site: SiteReport) -> str:
+    if site.chunk_size is None:
+        return "auto"
+    return f"auto ({site.chunk_size})" if site.chunk_auto else str(site.chunk_size)
+
+
+def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of a graph's table (the last row is the total)."""
+    measured = graph.measured_before is not None or graph.measured_after is not None
+    headers = ["site", "computes", "logits", "chunk", "entropy grad", "est. before", "est. after",
+               "est. saved", "saved %"]
+    if measured:
+        headers += ["meas. before", "meas. after", "meas. saved"]
+    rows = []
+    single = len(graph.sites) == 1
+    for s in graph.sites:
+        # Before/after are whole-graph peaks: only a graph's single site owns them.
+        row = [s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad,
+               human_bytes(graph.peak_before) if single else "", human_bytes(graph.peak_after) if single else "",
+               human_bytes(s.bytes_saved), _pct(s.bytes_saved, graph.peak_before)]
+        if measured:
+            row += ["", "", ""]
+        rows.append(row)
+    total = [f"total (graph {graph.index}, {len(graph.sites)} site{'s' if len(graph.sites) != 1 else ''})",
+             "", "", "", "", human_bytes(graph.peak_before), human_bytes(graph.peak_after),
+             human_bytes(graph.bytes_saved), _pct(graph.bytes_saved, graph.peak_before)]
+    if measured:
+        saved = (graph.measured_before - graph.measured_after
+                 if graph.measured_before is not None and graph.measured_after is not None else None)
+        total += [human_bytes(graph.measured_before), human_bytes(graph.measured_after), human_bytes(saved)]
+    rows.append(total)
+    return headers, rows
+
+
+def render_table(graph: GraphReport) -> str:
+    """The memory-savings table of one graph (tabulate, human units)."""
+    from tabulate import tabulate
+
+    headers, rows = table_rows(graph)
+    text = tabulate(rows, headers=headers, tablefmt="simple")
+    notes = [f"peak bytes of one forward+backward above the inputs; floor (input grads) = "
+             f"{human_bytes(graph.floor_bytes)}"]
+    if graph.fallback_reason:
+        notes.append(f"graph ran unchanged: {graph.fallback_reason}")
+    return text + "\n" + "\n".join(notes)
+
+
+def render_candidates(graph: GraphReport) -> str:
+    if not graph.candidates:
+        return "no log-prob / entropy candidates found"
+    lines = []
+    for c in graph.candidates:
+        what = f"rewritten ({c.kind})" if c.rewritten else f"not rewritten: {c.reason}"
+        lines.append(f"  {c.source}: {what}")
+    return "\n".join(lines)
+
+
+def render_text(report: Report, *, show_graphs: bool = True) -> str:
+    """The whole report as the CLI prints it."""
+    out = []
+    if report.function:
+        out.append(f"graphpass inspect {report.function}")
+    if report.inputs:
+        out.append("inputs: " + ", ".join(f"{k}={v}" for k, v in report.inputs.items()))
+    if not report.graphs:
+        out.append("no graph was captured (nothing for Dynamo to trace)")
+    for g in report.graphs:
+        out.append("")
+        if show_graphs and g.graph_before:
+            out.append(f"== graph {g.index}: captured (ATen, before rewrite) ==")
+            out.append(g.graph_before.rstrip())
+        if show_graphs and g.graph_after and g.sites:
+            out.append(f"== graph {g.index}: after rewrite ==")
+            out.append(g.graph_after.rstrip())
+        out.append(f"== graph {g.index}: candidates ==")
+        out.append(render_candidates(g))
+        out.append(f"== graph {g.index}: memory ==")
+        out.append(render_table(g))
+    return "\n".join(out) + "\n"
+
+
+def _jsonable(obj):
+    if isinstance(obj, torch.dtype):
+        return _dtype_name(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def to_dict(report: Report | GraphReport) -> dict:
+    """Plain data (json-serialisable), with the derived totals added."""
+    if isinstance(report, GraphReport):
+        d = dataclasses.asdict(report)
+        d["bytes_saved"] = report.bytes_saved
+        d["fraction_saved"] = report.fraction_saved
+        return _jsonable(d)
+    return _jsonable({"function": report.function, "inputs": report.inputs,
+                      "graphs": [to_dict(g) for g in report.graphs],
+                      "peak_before": report.peak_before, "peak_after": report.peak_after})
+
+
+def to_json(report: Report | GraphReport, **kwargs) -> str:
+    return json.dumps(to_dict(report), indent=kwargs.pop("indent", 2), **kwargs)
+
+
+# ---- the backend's hook ------------------------------------------------------------------------------
+def reporting_enabled(config) -> bool:
+    """`Config.report`, or the environment variable GRAPHPASS_REPORT=1 for code one cannot edit."""
+    return bool(getattr(config, "report", False)) or os.environ.get("GRAPHPASS_REPORT", "") not in ("", "0")
+
+
+def print_graph_report(result_or_record, estimate=None, *, file=None) -> GraphReport:
+    """Print one compiled graph's candidates and table, and return its `GraphReport`.
+
+    Called by the backend as `print_graph_report(result)` with a `RewriteResult` (the memory
+    model runs here), or as `print_graph_report(record, estimate)`. Never raises on a failed
+    estimate: reports are extras, a compile must not fail because of one.
+    """
+    file = file if file is not None else sys.stdout
+    record = result_or_record
+    if estimate is None and hasattr(result_or_record, "record"):
+        record = result_or_record.record
+        estimate = _safe_estimate(result_or_record, file)
+    graph = build_graph_report(record, estimate)
+    print(f"graphpass: graph {graph.index}", file=file)
+    print(render_candidates(graph), file=file)
+    print(render_table(graph), file=file, flush=True)
+    return graph
+
+
+def _safe_estimate(result, file):
+    from graphpass import memory
+
+    try:
+        return memory.estimate_rewrite(result)
+    except Exception as exc:
+        print(f"graphpass: memory estimate failed for graph {result.record.index}: "
+              f"{type(exc).__name__}: {exc}", file=file)
+        return None
