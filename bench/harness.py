@@ -1,0 +1,273 @@
+"""Run one (workload, method, shape, dtype) in a fresh process and measure it.
+
+Parent side: `run_isolated(spec)` starts `python -m bench.harness --worker SPEC` with a timeout and
+returns the worker's JSON result. Worker side: build inputs, warm up (compile), then per timed
+step measure the peak bytes above the pre-step baseline and the wall time, then compare the last
+step's loss and logits.grad with an eager fp32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_TAG = "BENCH_RESULT "
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one worker measures."""
+
+    workload: str
+    method: str
+    T: int
+    V: int
+    dtype: str
+    device: str = "cpu"
+    steps: int = 5
+    """Most timed steps; fewer when one step is slow (see `time_budget_s`)."""
+    time_budget_s: float = 20.0
+    """Timed steps stop once they would exceed this (at least `min_steps` run)."""
+    min_steps: int = 2
+    reference: bool = True
+    seed: int = 0
+
+    @property
+    def floor_bytes(self) -> int:
+        return self.T * self.V * DTYPE_BYTES[self.dtype]
+
+    @property
+    def input_bytes(self) -> int:
+        return self.floor_bytes + self.T * 4 * 6  # logits + the [T] side inputs
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+# Parent side -------------------------------------------------------------------------------------
+
+
+def run_isolated(spec: Spec, timeout_s: float, cold_compile: bool = False) -> dict:
+    """Run `spec` in its own interpreter; a timeout or crash becomes a result with that status.
+
+    `cold_compile` gives the worker an empty inductor cache, so its first call compiles from scratch.
+    """
+    import tempfile
+
+    from bench.methods import METHODS
+
+    method = METHODS[spec.method]
+    env = {**os.environ, **dict(method.env)}
+    env.setdefault("PYTHONPATH", str(REPO))
+    # A fixed mmap threshold keeps glibc from serving freed multi-MiB tensors out of its heap
+    # (its dynamic threshold grows up to 32 MiB), where they would stay resident and inflate RSS
+    # at small shapes; every buffer >= 1 MiB is then mapped on allocation and unmapped on free.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
+    if cold_compile:
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_inductor_")
+    cmd = [sys.executable, "-m", "bench.harness", "--worker", json.dumps(dataclasses.asdict(spec))]
+    base = dict(dataclasses.asdict(spec), floor_bytes=spec.floor_bytes)
+    # Own session, so a timeout also kills inductor's compile-worker grandchildren.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return dict(base, status="timeout", note=f"killed after {timeout_s:.0f} s")
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return dict(base, **json.loads(line[len(RESULT_TAG):]))
+    why = "killed by SIGKILL (out of memory?)" if proc.returncode == -signal.SIGKILL else f"exit {proc.returncode}"
+    tail = " | ".join(err.strip().splitlines()[-3:])
+    return dict(base, status="error", note=f"{why}: {tail}"[:500])
+
+
+def machine_description() -> str:
+    """One line: CPU model, cores, RAM, torch version (and GPU when present)."""
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    parts = [cpu, f"{os.cpu_count()} cores", f"{total_ram_bytes() / GiB:.0f} GiB RAM", f"torch {torch.__version__}"]
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name())
+    return ", ".join(parts)
+
+
+def total_ram_bytes() -> int:
+    """MemTotal from /proc/meminfo."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+# Worker side -------------------------------------------------------------------------------------
+
+
+class CpuMeter:
+    """Peak RSS above a baseline: large tensors are mmap-backed, so RSS tracks live tensor bytes."""
+
+    def __init__(self):
+        import ctypes
+
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:
+            self._trim = lambda _pad: None
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {field} in /proc/self/status")
+
+    def reset(self) -> int:
+        """Return freed heap to the OS, reset VmHWM to the current RSS, and return that baseline."""
+        import gc
+
+        gc.collect()
+        # Freed small blocks stay resident in malloc's heap; trimming them keeps the baseline
+        # honest (otherwise the step could reuse them without raising RSS).
+        self._trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base = self._status("VmRSS:")
+        return self.base
+
+    def peak(self) -> int:
+        return self._status("VmHWM:") - self.base
+
+    @staticmethod
+    def sync():
+        pass
+
+
+class CudaMeter:
+    """Peak allocated CUDA bytes above the allocated bytes before the step."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def reset(self) -> int:
+        self.torch.cuda.synchronize()
+        self.torch.cuda.reset_peak_memory_stats()
+        self.base = self.torch.cuda.memory_allocated()
+        return self.base
+
+    def peak(self) -> int:
+        self.torch.cuda.synchronize()
+        return self.torch.cuda.max_memory_allocated() - self.base
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+
+def _timed(fn, device: str) -> float:
+    """Seconds of `fn()`; CUDA events on a GPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(spec: Spec) -> dict:
+    """The worker's measurement of one configuration."""
+    import torch
+
+    from bench import workloads
+    from bench.methods import METHODS, warning
+
+    torch.manual_seed(spec.seed)
+    workload = workloads.Workload.parse(spec.workload)
+    method = METHODS[spec.method]
+    if (why := method.available()) is not None:
+        return dict(status="unavailable", note=why)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
+    batch = workloads.make_batch(spec.T, spec.V, dtype, spec.device, workload.temperature, spec.seed)
+    args = [batch[k] for k in workloads.BATCH_FIELDS]
+    logits = batch["logits"]
+    fn, notes = method.build(workload)
+    meter = CudaMeter() if spec.device.startswith("cuda") else CpuMeter()
+    loss = None
+
+    def step():
+        nonlocal loss
+        logits.grad = None
+        loss = fn(*args)
+        loss.backward()
+        meter.sync()
+
+    first_call_s = _timed(step, spec.device)  # the warm-up; includes compilation for compiled methods
+    times, peaks = [], []
+    while len(times) < spec.min_steps or (
+        len(times) < spec.steps and sum(times) + statistics.median(times) <= spec.time_budget_s
+    ):
+        # Drop the previous step's outputs before the baseline: the baseline is inputs only.
+        logits.grad, loss = None, None
+        baseline = meter.reset()
+        times.append(_timed(step, spec.device))
+        peaks.append(meter.peak())
+    result = dict(
+        status="ok",
+        peak_bytes=max(peaks),
+        peaks=peaks,
+        ratio=max(peaks) / spec.floor_bytes,
+        time_s=statistics.median(times),
+        times=times,
+        first_call_s=first_call_s,
+        baseline_bytes=baseline,
+        loss=float(loss),
+    )
+    result["notes"] = notes()
+    result["warning"] = warning(result["notes"])
+    if spec.reference:
+        grad, loss_value = logits.grad.detach(), float(loss)
+        loss = None
+        result.update(workloads.reference_diffs(workload, batch, loss_value, grad))
+    return result
+
+
+def _worker_main(spec_json: str):
+    spec = Spec(**json.loads(spec_json))
+    try:
+        result = measure(spec)
+    except Exception as exc:  # reported to the parent as a result, not a crash
+        result = dict(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
+    sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worker", required=True, help="JSON Spec; prints one BENCH_RESULT line")
+    _worker_main(parser.parse_args().worker)

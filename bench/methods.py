@@ -1,0 +1,95 @@
+"""The implementations compared: how the same user loss is executed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Callable
+
+import torch
+
+from bench import workloads
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to run a workload's loss; `env` is set in the worker before torch is imported."""
+
+    name: str
+    description: str
+    compiled: bool = False
+    chunked_loop: bool = False
+    backend: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+    def build(self, workload: workloads.Workload) -> tuple[Callable, Callable[[], dict]]:
+        """The step function and a callback returning notes about what the method did."""
+        lp_ent = workloads.chunked_logprob_entropy if self.chunked_loop else workloads.logprob_entropy
+        fn = workload.loss_fn(lp_ent)
+        if not self.compiled:
+            return fn, dict
+        backend = _graphpass_backend() if self.backend == "graphpass" else self.backend
+        return torch.compile(fn, backend=backend), lambda: _compile_notes(backend)
+
+    def available(self) -> str | None:
+        """None when this method can run here, else why not."""
+        if self.backend == "graphpass":
+            if importlib.util.find_spec("graphpass.backend") is None:
+                return "graphpass.backend not importable yet"
+        return None
+
+
+def _graphpass_backend():
+    import graphpass
+
+    return graphpass.Backend()
+
+
+def _compile_notes(backend) -> dict:
+    """Graph count (graph breaks/recompiles show up here) and what each compiler claims it did."""
+    from torch._dynamo.utils import counters
+
+    notes = {"graphs": counters["stats"]["unique_graphs"],
+             # First-call time means little without knowing whether the on-disk caches answered.
+             "compile_cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+             "compile_cache_misses": counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]}
+    if backend == "inductor":
+        from torch._inductor import config, metrics
+
+        if config.auto_chunker.enable:
+            notes["auto_chunked_graphs"] = metrics.num_auto_chunking
+    elif hasattr(backend, "records"):
+        # graphpass may torch.compile its per-chunk kernels, which Dynamo's counter also counts.
+        notes["graphs"] = len(backend.records)
+        notes["graphpass_sites"] = sum(len(r.sites) for r in backend.records)
+        notes["graphpass_fallbacks"] = [r.fallback_reason for r in backend.records if r.fallback_reason]
+        notes["graphpass_kinds"] = [s.kind for r in backend.records for s in r.sites]
+    return notes
+
+
+def warning(notes: dict) -> str | None:
+    """A method that ran but did not do its thing (nothing rewritten, chunker not applied)."""
+    if notes.get("graphpass_fallbacks"):
+        return "graphpass fell back: " + "; ".join(notes["graphpass_fallbacks"])
+    if notes.get("graphpass_sites") == 0:
+        return "graphpass rewrote no site"
+    if notes.get("auto_chunked_graphs") == 0:
+        return "auto-chunker did not apply"
+    if notes.get("graphs", 1) > 1:
+        return f"{notes['graphs']} graphs compiled (graph break or recompile)"
+    return None
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("eager", "plain PyTorch, no compile"),
+        Method("inductor", "torch.compile, default inductor", compiled=True, backend="inductor"),
+        # The knob exists under this name in torch 2.13 (torch/_inductor/config.py, auto_chunker.enable).
+        Method("autochunk", "inductor + TORCHINDUCTOR_AUTO_CHUNKER=1", compiled=True, backend="inductor",
+               env=(("TORCHINDUCTOR_AUTO_CHUNKER", "1"),)),
+        Method("chunked", f"hand-written chunk loop ({workloads.SLIME_CHUNK} rows), eager autograd",
+               chunked_loop=True),
+        Method("graphpass", "torch.compile(backend=graphpass.Backend())", compiled=True, backend="graphpass"),
+    )
+}

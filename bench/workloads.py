@@ -1,0 +1,162 @@
+"""RL loss workloads over policy logits [T, V], written in plain PyTorch as an RL framework user would."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+CLIP = 0.2
+KL_BETA = 0.04
+SLIME_CHUNK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One loss: its kind ("ppo" or "grpo"), sampling temperature and entropy coefficient."""
+
+    kind: str
+    temperature: float
+    ent_coef: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}-t{self.temperature:g}-e{self.ent_coef:g}"
+
+    @classmethod
+    def parse(cls, key: str) -> "Workload":
+        """Inverse of `key`, e.g. "ppo-t0.7-e0"."""
+        kind, t, e = key.split("-")
+        if kind not in LOSSES or t[0] != "t" or e[0] != "e":
+            raise ValueError(f"bad workload {key!r}; expected KIND-tTEMP-eCOEF with KIND in {sorted(LOSSES)}")
+        return cls(kind, float(t[1:]), float(e[1:]))
+
+    def loss_fn(self, logprob_entropy: Callable) -> Callable:
+        """The loss as a function of (logits, targets, mask, advantages, old_logp, ref_logp)."""
+        loss, temp, coef = LOSSES[self.kind], self.temperature, self.ent_coef
+
+        # Temperature and coefficient are closure constants, as in a trainer's config: Dynamo bakes
+        # them in, so `0.0 * entropy` is visibly dead to a compiler.
+        def fn(logits, targets, mask, advantages, old_logp, ref_logp):
+            return loss(logits, targets, mask, advantages, old_logp, ref_logp, temp, coef, logprob_entropy)
+
+        return fn
+
+
+# The user's code --------------------------------------------------------------------------------
+
+
+def logprob_entropy(logits, targets, temperature):
+    """Per-token log-prob of the sampled tokens and entropy, one shared fp32 log_softmax."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def chunked_logprob_entropy(logits, targets, temperature, chunk=SLIME_CHUNK):
+    """The hand-chunked loop RL frameworks ship (slime's calculate_log_probs_and_entropy): no recompute."""
+    logps, entropies = [], []
+    for logits_chunk, targets_chunk in zip(logits.split(chunk), targets.split(chunk)):
+        logp, entropy = logprob_entropy(logits_chunk, targets_chunk, temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def masked_mean(x, mask):
+    """Token-level mean over unmasked tokens."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def clipped_surrogate(logp, old_logp, advantages):
+    """PPO's clipped importance-ratio objective, per token (to minimise)."""
+    ratio = torch.exp(logp - old_logp)
+    return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - CLIP, 1 + CLIP) * advantages)
+
+
+def ppo_loss(logits, targets, mask, advantages, old_logp, ref_logp, temperature, ent_coef, lp_ent):
+    """PPO: clipped ratio loss minus an entropy bonus, masked token mean."""
+    logp, entropy = lp_ent(logits, targets, temperature)
+    pg = clipped_surrogate(logp, old_logp, advantages)
+    return masked_mean(pg, mask) - ent_coef * masked_mean(entropy, mask)
+
+
+def grpo_loss(logits, targets, mask, advantages, old_logp, ref_logp, temperature, ent_coef, lp_ent):
+    """GRPO: clipped ratio loss plus a k3 KL penalty to the reference policy, masked token mean."""
+    logp, entropy = lp_ent(logits, targets, temperature)
+    pg = clipped_surrogate(logp, old_logp, advantages)
+    delta = ref_logp - logp
+    kl = torch.exp(delta) - delta - 1  # k3 estimator: unbiased, always >= 0
+    return masked_mean(pg + KL_BETA * kl, mask) - ent_coef * masked_mean(entropy, mask)
+
+
+LOSSES = {"ppo": ppo_loss, "grpo": grpo_loss}
+
+# Inputs ------------------------------------------------------------------------------------------
+
+BATCH_FIELDS = ("logits", "targets", "mask", "advantages", "old_logp", "ref_logp")
+
+
+def make_batch(T: int, V: int, dtype: torch.dtype, device: str, temperature: float, seed: int = 0) -> dict:
+    """Synthetic inputs; old/ref log-probs sit near the policy's own, so clipping and KL are active.
+
+    Logits are N(0, 1), so each row's logsumexp of logits/temp is log V + 1/(2 temp^2) to within
+    ~1e-2 at V >= 32k: the policy's log-prob comes from a gather, with no extra [T, V] pass.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.empty(T, V, dtype=dtype)
+    logits.normal_(generator=gen)  # in place in the target dtype: no transient fp32 copy of bf16 logits
+    targets = torch.randint(0, V, (T,), generator=gen)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1).float() / temperature - (
+        math.log(V) + 0.5 / temperature**2
+    )
+    batch = dict(
+        logits=logits,
+        targets=targets,
+        mask=(torch.rand(T, generator=gen) < 0.9).float(),
+        advantages=torch.randn(T, generator=gen),
+        old_logp=logp + 0.3 * torch.randn(T, generator=gen),
+        ref_logp=logp + 0.3 * torch.randn(T, generator=gen),
+    )
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["logits"].requires_grad_()
+    return batch
+
+
+def reference_diffs(workload: Workload, batch: dict, loss: float, grad: torch.Tensor,
+                    budget_bytes: int = 2**30, grad_blocks: int = 2) -> dict:
+    """Max abs difference of loss and logits.grad against eager fp32, computed in row blocks.
+
+    Every workload is a masked token mean of row-local terms, so block b contributes
+    loss_b * n_b / n and the same scale on its gradient: exact up to fp32 summation order, with
+    one block of fp32 intermediates alive at a time (the full eager reference would not fit at
+    the sizes measured). The loss is checked over all rows; the gradient over all rows when the
+    logits fit in one block, else over the first and last `grad_blocks // 2` blocks, to bound the
+    time spent (gradient rows are independent, so a sample checks the same code path).
+    """
+    T, V = batch["logits"].shape
+    rows = max(1, min(T, budget_bytes // (V * 4 * 6)))  # ~6 fp32 [rows, V] buffers in eager backward
+    starts = list(range(0, T, rows))
+    grad_starts = set(starts[: grad_blocks // 2] + starts[-(grad_blocks // 2):]) if len(starts) > grad_blocks else set(starts)
+    fn = workload.loss_fn(logprob_entropy)
+    n = batch["mask"].sum().clamp(min=1).double()
+    ref_loss, grad_diff, grad_max, grad_rows = 0.0, 0.0, 0.0, 0
+    for start in starts:
+        sl = slice(start, start + rows)
+        with_grad = start in grad_starts
+        x = batch["logits"][sl].detach().float().requires_grad_(with_grad)
+        part = [batch[k][sl] for k in BATCH_FIELDS[1:]]
+        scale = float(batch["mask"][sl].sum().double() / n)
+        with torch.set_grad_enabled(with_grad):
+            block_loss = fn(x, *part) * scale
+        ref_loss += float(block_loss)
+        if with_grad:
+            block_loss.backward()
+            grad_rows += x.shape[0]
+            grad_diff = max(grad_diff, float((grad[sl].float() - x.grad).abs().max()))
+            grad_max = max(grad_max, float(x.grad.abs().max()))
+    return dict(ref_loss=ref_loss, loss_diff=abs(loss - ref_loss), grad_diff=grad_diff,
+                ref_grad_max=grad_max, grad_rows_checked=grad_rows)
