@@ -64,6 +64,7 @@ def _compile_notes(backend) -> dict:
         notes["graphpass_sites"] = sum(len(r.sites) for r in backend.records)
         notes["graphpass_fallbacks"] = [r.fallback_reason for r in backend.records if r.fallback_reason]
         notes["graphpass_kinds"] = [s.kind for r in backend.records for s in r.sites]
+        notes["graphpass_grads_kept"] = [s.grads_kept for r in backend.records for s in r.sites]
     return notes
 
 
