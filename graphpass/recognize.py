@@ -251,6 +251,21 @@ _CASTS = {
 _INDEX_TRANSPARENT = _VIEWS | _CASTS
 
 
+def _broadcast_source(n: torch.fx.Node):
+    """The input behind `broadcast_tensors(xs)[i]` when broadcasting left it unchanged, else None.
+
+    Categorical.log_prob broadcasts the index against the log-probs; the log-probs come out as is.
+    """
+    if n.op != "call_function" or n.target is not operator.getitem:
+        return None
+    bt, i = n.args
+    if _packet(bt) is not aten.broadcast_tensors or not isinstance(i, int):
+        return None
+    source = bt.args[0][i]
+    s_in, s_out = _shape(source), _shape(n)
+    return source if s_in is not None and s_out is not None and _same_shape(s_in, s_out) else None
+
+
 def _index_key(idx):
     """The index tensor behind unsqueeze/view/cast wrappers, so x.gather(-1, t[:, None]) and CE(x, t) agree."""
     while _packet(idx) in _INDEX_TRANSPARENT:
@@ -274,6 +289,9 @@ class _Evaluator:
         return self.memo[x]
 
     def _eval(self, n: torch.fx.Node):
+        source = _broadcast_source(n)
+        if source is not None:
+            return self(source)
         p = _packet(n)
         handler = _HANDLERS.get(p)
         if handler is not None:

@@ -1,4 +1,4 @@
-"""Shared pytest setup: import graphpass from the checkout, fresh Dynamo state for every test."""
+"""Shared pytest setup: graphpass importable from the checkout, fresh Dynamo state per test, `slow` marker."""
 
 from __future__ import annotations
 
@@ -9,6 +9,24 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run tests marked slow (full parity grid, inductor)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running (full dtype/layout grid, inductor); needs --runslow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("GRAPHPASS_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow or GRAPHPASS_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -355,6 +355,16 @@ def test_3d_cross_entropy_flattened():
     assert output_labels(fn, x, t) == [OutputLabel("logprob")]
 
 
+def test_categorical_log_prob_and_entropy():
+    x, t = inputs()
+
+    def fn(x, t):
+        dist = torch.distributions.Categorical(logits=x / 0.7)
+        return dist.log_prob(t), dist.entropy()  # log_prob broadcasts the index against the logits
+
+    assert output_labels(fn, x, t) == [OutputLabel("logprob", "/ 0.7"), OutputLabel("entropy", "/ 0.7")]
+
+
 def test_3d_categorical_entropy():
     x, t = inputs("3d")
     fn = lambda x, t: torch.distributions.Categorical(logits=x / 0.7).entropy()  # noqa: E731
