@@ -226,12 +226,9 @@ def _factor_desc(op: str, factor) -> str:
     if node.op == "call_function" and node.target is operator.truediv and node.args[0] in (1, 1.0):
         return _factor_desc("/" if op == "*" else "*", node.args[1])
     val = _val(node)
-    if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() != 1:
+    # A tensor with any non-unit (or symbolic) dimension holds one temperature per row: [T, 1].
+    if isinstance(val, torch.Tensor) and any(not (isinstance(s, int) and s == 1) for s in val.shape):
         return f"{op} per-token"
-    if isinstance(val, torch.Tensor) and val.dim() > 0:
-        shape = tuple(val.shape)
-        if not all(isinstance(s, int) for s in shape):
-            return f"{op} per-token"
     return f"{op} {node.name}"
 
 
@@ -520,7 +517,7 @@ def _h_where(ev, n):
     cond, a, b = n.args[0], n.args[1], n.args[2]
     for data, fill in ((a, b), (b, a)):
         base = _pure_leaf(ev(data)) if isinstance(data, torch.fx.Node) else None
-        if base is not None and _scale_factor(fill) is not None and _shape(data) == _shape(n):
+        if base is not None and _scale_factor(fill) is not None and _same_shape(_shape(data) or (), _shape(n) or (None,)):
             return _leaf(("mask", base, n))
     return None
 

@@ -501,3 +501,29 @@ def test_label_is_hashable_and_frozen():
     assert {label: 1}[OutputLabel("logprob", "/ 0.7")] == 1
     with pytest.raises(Exception):
         label.kind = "entropy"
+
+
+def test_symbolic_shapes():
+    """With dynamic=True the sizes are SymInts: labels must not need (or guard on) concrete sizes."""
+    x, t = inputs()
+    temp = torch.rand(T) + 0.5
+    captured = []
+
+    def backend(gm, example_inputs):
+        fake_mode = detect_fake_mode(example_inputs)
+        with fake_mode:
+            fakes = [fake_mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in example_inputs]
+            captured.append(make_fx(gm, pre_dispatch=True)(*fakes))
+        return gm.forward
+
+    def fn(x, t, temp):
+        lp = F.log_softmax(x / temp[:, None], -1)
+        return (lp.gather(-1, t[:, None]).squeeze(-1), torch.distributions.Categorical(logits=x / 0.7).entropy(),
+                -F.cross_entropy(x, t, reduction="none"))
+
+    torch.compile(fn, backend=backend, dynamic=True)(x, t, temp)
+    (outs,) = [n.args[0] for n in captured[-1].graph.nodes if n.op == "output"]
+    tensors = [o for o in outs if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
+    assert not isinstance(tensors[0].meta["val"].shape[0], int), "expected a symbolic row count"
+    assert [label_output(o) for o in tensors] == [
+        OutputLabel("logprob", "/ per-token"), OutputLabel("entropy", "/ 0.7"), OutputLabel("logprob")]
