@@ -6,7 +6,15 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint, statically_known_true
+
+
+def dynamo_control_flow_errors() -> tuple[type, ...]:
+    """Exceptions Dynamo raises on purpose to restart its analysis; a backend must let them pass."""
+    from torch._dynamo import exc
+
+    return tuple(getattr(exc, name) for name in ("RestartAnalysis", "TensorifyScalarRestartAnalysis")
+                 if hasattr(exc, name))
 
 
 def fakify_inputs(example_inputs):
@@ -29,10 +37,23 @@ def capture_pre_dispatch(gm: torch.fx.GraphModule, example_inputs) -> tuple[torc
 
 
 def known_equal(a, b) -> bool:
-    """True when two (possibly symbolic) sizes are provably equal; never adds a guard."""
+    """True when two (possibly symbolic) sizes are equal for this graph.
+
+    Provably equal sizes need nothing. Sizes whose current values are equal but that Dynamo
+    traced as separate symbols (tokens and logits each get their own `T`) are made equal by a
+    guard, so a later call where they differ recompiles instead of chunking mismatched rows.
+    Unequal values add no guard: the caller then declines to rewrite, which is always safe.
+    """
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return bool(statically_known_true(a == b))
+    if statically_known_true(a == b):
+        return True
+    try:
+        if has_guarding_hint(a) and has_guarding_hint(b) and guarding_hint_or_throw(a) == guarding_hint_or_throw(b):
+            return bool(a == b)  # evaluates with a guard
+    except Exception:  # noqa: BLE001 - an unbacked size: treat as not equal
+        pass
+    return False
 
 
 def inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs):
@@ -49,10 +70,19 @@ def inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs):
 
 
 def compile_kernel(fn, inner: str):
-    """Compile a per-chunk kernel: dynamic in the row count, so the last short chunk reuses it."""
+    """Compile a per-chunk kernel, dynamic in the row count only (dim 0 of every tensor argument
+    of rank 2), so a short last chunk reuses it while the vocabulary stays static for codegen."""
     if inner == "eager":
         return fn
-    return torch.compile(fn, backend=inner, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True)
+
+    def run(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.ndim == 2:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)
+
+    return run
 
 
 # ---- memory model (graphpass/memory.py, report, CLI) -------------------------------------------

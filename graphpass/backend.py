@@ -36,7 +36,7 @@ class Backend:
         try:
             result = rewrite_graph(gm, example_inputs, self.config, record)
         except Exception as e:
-            return self._fall_back(gm, example_inputs, record, f"rewrite failed: {e}", e)
+            return self._fall_back(gm, example_inputs, record, f"rewrite failed: {_describe(e)}", e)
         if self.config.report or os.environ.get("GRAPHPASS_REPORT") == "1":
             _print_report(result)
         if not record.sites:
@@ -45,16 +45,23 @@ class Backend:
             return _torch_api.inner_compile(self.config.inner, result.after, example_inputs)
         except Exception as e:
             return self._fall_back(gm, example_inputs, record,
-                                   f"inner compiler {self.config.inner} failed on the rewritten graph: {e}", e)
+                                   f"inner compiler {self.config.inner} failed on the rewritten graph: "
+                                   f"{_describe(e)}", e)
 
     def _fall_back(self, gm, example_inputs, record, reason, error):
         """Never wrong: run the original graph, with the reason logged and recorded."""
-        if self.config.strict:
+        if self.config.strict or isinstance(error, _torch_api.dynamo_control_flow_errors()):
             raise error
         record.fallback_reason = reason.splitlines()[0]
         record.sites.clear()
-        log.warning("graphpass: graph %d runs unchanged: %s", record.index, record.fallback_reason)
+        log.warning("graphpass: graph %d runs unchanged: %s", record.index, record.fallback_reason,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
         return _torch_api.inner_compile(self.config.inner, gm, example_inputs)
+
+
+def _describe(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _print_report(result):

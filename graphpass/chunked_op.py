@@ -1,8 +1,8 @@
 """The chunked, recomputing op that replaces a row-local region.
 
 A `RegionProgram` is the region's math on one chunk of rows, in a canonical 2-D layout
-(`[rows, width]` tensors, `[1, width]` row-broadcast tensors, 0-d tensors, Python scalars).
-The custom op `graphpass::rowwise_chunked(key, tensors, scalars, out_sizes)` runs a registered
+(`[rows, width]` tensors, `[1, width]` row-broadcast tensors, 0-d tensors for runtime scalars).
+The custom op `graphpass::rowwise_chunked(key, tensors, out_sizes)` runs a registered
 program chunk by chunk. Its forward saves only its inputs; its backward recomputes each chunk
 under `torch.func.vjp` and writes the chunk's gradient into one buffer of the input's dtype.
 Both per-chunk kernels are compiled by the inner compiler, dynamic in the row count.
@@ -46,12 +46,11 @@ class OutputSpec:
 class RegionProgram:
     """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
 
-    def __init__(self, graph_module, inputs, outputs, n_scalars, *, chunk_size, chunk_budget_bytes, inner,
+    def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner,
                  index_checks=()):
         self.graph_module = graph_module
         self.inputs: list[InputSpec] = list(inputs)
         self.outputs: list[OutputSpec] = list(outputs)
-        self.n_scalars = n_scalars
         self.chunk_size = chunk_size
         self.chunk_budget_bytes = chunk_budget_bytes
         self.inner = inner
@@ -63,7 +62,7 @@ class RegionProgram:
     def _content_key(self) -> str:
         # Content-addressed, so a compiled graph cached on disk by another process can only
         # ever name the same program.
-        text = repr((self.graph_module.code, self.inputs, self.outputs, self.n_scalars,
+        text = repr((self.graph_module.code, self.inputs, self.outputs,
                      self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks))
         return "r" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -143,7 +142,7 @@ class RegionProgram:
                 yield sl, args
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(self, tensors, scalars, out_sizes):
+    def forward(self, tensors, out_sizes):
         rows, vocab, blocks = self._layout(tensors)
         self._check_token_ids(tensors, vocab)
         device = tensors[self.wide_input_positions[0]].device
@@ -153,7 +152,7 @@ class RegionProgram:
             chunk = self.rows_per_chunk(rows, vocab)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
-                    for out, value in zip(outs, kernel(*args, *scalars)):
+                    for out, value in zip(outs, kernel(*args)):
                         out[sl] = value
         return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))]
 
@@ -178,7 +177,7 @@ class RegionProgram:
         return self._forward_kernel
 
     # ---- backward ----------------------------------------------------------------------
-    def backward(self, tensors, scalars, needs_grad, grad_outputs):
+    def backward(self, tensors, needs_grad, grad_outputs):
         """Gradients for `tensors` (None where not needed), recomputed chunk by chunk."""
         # An output whose incoming gradient is absent or all zero contributes nothing: skip
         # its recompute (this is how an entropy returned only for logging costs nothing here).
@@ -202,7 +201,7 @@ class RegionProgram:
         chunk = self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
         flat_buffers = {i: b.view(rows, -1) for i, b in buffers.items() if self.inputs[i].role in (WIDE, ROW)}
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
-            chunk_grads = kernel(*args, *scalars, *[g[sl] for g in flat_grad_outputs])
+            chunk_grads = kernel(*args, *[g[sl] for g in flat_grad_outputs])
             for i, g in zip(wanted, chunk_grads):
                 if i in flat_buffers:
                     flat_buffers[i][sl] = g
@@ -215,24 +214,23 @@ class RegionProgram:
     def _get_backward_kernel(self, active, wanted):
         key = (active, wanted)
         if key not in self._backward_kernels:
-            joint = _make_joint(self.graph_module, len(self.inputs), self.n_scalars, active, wanted,
+            joint = _make_joint(self.graph_module, len(self.inputs), active, wanted,
                                 name=f"graphpass_{self.key}_backward_{len(self._backward_kernels)}")
             self._backward_kernels[key] = _torch_api.compile_kernel(joint, self.inner)
         return self._backward_kernels[key]
 
 
-def _make_joint(forward, n_tensors, n_scalars, active, wanted, *, name):
+def _make_joint(forward, n_tensors, active, wanted, *, name):
     """The per-chunk backward: vjp of the chosen outputs with respect to the chosen inputs."""
 
     def joint(*args):
         tensors = list(args[:n_tensors])
-        scalars = args[n_tensors:n_tensors + n_scalars]
-        grad_outputs = args[n_tensors + n_scalars:]
+        grad_outputs = args[n_tensors:]
 
         def selected_outputs(*primals):
             for i, p in zip(wanted, primals):
                 tensors[i] = p
-            outs = forward(*tensors, *scalars)
+            outs = forward(*tensors)
             return tuple(outs[j] for j in active)
 
         _, vjp = torch.func.vjp(selected_outputs, *[tensors[i] for i in wanted])
@@ -263,35 +261,34 @@ def program(key: str) -> RegionProgram:
 
 
 @torch.library.custom_op("graphpass::rowwise_chunked", mutates_args=())
-def rowwise_chunked(key: str, tensors: list[torch.Tensor], scalars: list[float],
-                    out_sizes: list[int]) -> list[torch.Tensor]:
+def rowwise_chunked(key: str, tensors: list[torch.Tensor], out_sizes: list[int]) -> list[torch.Tensor]:
     """Run a registered row-local region chunk by chunk; see `RegionProgram`."""
-    return program(key).forward(tensors, scalars, out_sizes)
+    return program(key).forward(tensors, out_sizes)
 
 
 @rowwise_chunked.register_fake
-def _(key, tensors, scalars, out_sizes):
+def _(key, tensors, out_sizes):
     return program(key).fake_outputs(tensors, out_sizes)
 
 
 @torch.library.custom_op("graphpass::rowwise_chunked_backward", mutates_args=())
-def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor], scalars: list[float],
+def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor],
                              grad_outputs: list[torch.Tensor | None], needs_grad: list[bool]) -> list[torch.Tensor]:
     """Gradients of the inputs flagged in `needs_grad`, in order; see `RegionProgram.backward`."""
-    grads = program(key).backward(tensors, scalars, needs_grad, grad_outputs)
+    grads = program(key).backward(tensors, needs_grad, grad_outputs)
     return [torch.zeros_like(t) if g is None else g
             for t, g, need in zip(tensors, grads, needs_grad) if need]
 
 
 @rowwise_chunked_backward.register_fake
-def _(key, tensors, scalars, grad_outputs, needs_grad):
+def _(key, tensors, grad_outputs, needs_grad):
     return [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
 
 
 def _setup_context(ctx, inputs, output):
-    key, tensors, scalars, _ = inputs
+    key, tensors, _ = inputs
     prog = program(key)
-    ctx.key, ctx.scalars = key, scalars
+    ctx.key = key
     ctx.needs_grad = [t.requires_grad and t.is_floating_point() for t in tensors]
     ctx.save_for_backward(*tensors)
     forward_only = [o for o, spec in zip(output, prog.outputs) if not spec.keeps_grad]
@@ -303,10 +300,9 @@ def _backward(ctx, grad_outputs):
     # The backward is an op of its own, so that a compiler tracing this autograd formula sees
     # one opaque call rather than the chunk loop.
     tensors = list(ctx.saved_tensors)
-    grads = iter(rowwise_chunked_backward(ctx.key, tensors, ctx.scalars, list(grad_outputs), ctx.needs_grad))
+    grads = iter(rowwise_chunked_backward(ctx.key, tensors, list(grad_outputs), ctx.needs_grad))
     per_input = [next(grads) if need else None for need in ctx.needs_grad]
-    # One entry per input; the tensor and float lists get one entry per element.
-    return None, per_input, [None] * len(ctx.scalars), None
+    return None, per_input, None
 
 
 rowwise_chunked.register_autograd(_backward, setup_context=_setup_context)

@@ -44,13 +44,13 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     record.rejected.extend(rejected)
     for region in regions:
         try:
-            program, input_nodes, scalar_nodes = _build_program(region, config)
+            program, input_nodes = _build_program(region, config)
         except RegionRejected as e:
             record.rejected.append(Candidate(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
         record.sites.append(_site_record(region, program, input_nodes))
-        _replace(gm.graph, region, program, input_nodes, scalar_nodes)
+        _replace(gm.graph, region, program, input_nodes)
     return gm
 
 
@@ -75,19 +75,18 @@ def _static_width(width, allow_symbolic=False):
 def _build_program(region: Region, config):
     """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram."""
     graph = torch.fx.Graph()
-    env, specs, input_nodes, scalar_nodes = {}, [], [], []
-    tensor_inputs = [n for n in region.inputs if isinstance(n.meta.get("val"), torch.Tensor)]
-    for node in tensor_inputs:
-        specs.append(_input_spec(node, region.rows))
+    env, specs, input_nodes = {}, [], []
+    for node in region.inputs:
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            specs.append(_input_spec(node, region.rows))
+        elif isinstance(node.meta.get("val"), torch.SymFloat):
+            # A runtime float (a temperature Dynamo lifted to an input) travels as a 0-d float64
+            # tensor: the compiler can keep it a graph input, and it rounds like a Python float.
+            specs.append(InputSpec(SCALAR, 1))
+        else:
+            raise RegionRejected(f"it reads {node.name}, a runtime value that is not a float")
         env[node] = graph.placeholder(f"in{len(input_nodes)}_{node.name}")
         input_nodes.append(node)
-    for node in region.inputs:
-        if node in env:
-            continue
-        if not isinstance(node.meta.get("val"), torch.SymFloat):
-            raise RegionRejected(f"it reads {node.name}, a runtime value that is not a float")
-        env[node] = graph.placeholder(f"scalar{len(scalar_nodes)}_{node.name}")
-        scalar_nodes.append(node)
     if not any(s.role == WIDE for s in specs):
         raise RegionRejected("it reads no [rows, V] input")
     for node in region.nodes:
@@ -102,12 +101,12 @@ def _build_program(region: Region, config):
         keeps = bool(o.meta.get(GRAD_FLOWS, True))
         outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, keeps))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    program = RegionProgram(module, specs, outputs, len(scalar_nodes), chunk_size=config.chunk_size,
+    program = RegionProgram(module, specs, outputs, chunk_size=config.chunk_size,
                             chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
                             index_checks=_index_checks(region, input_nodes))
-    _validate(program, [n.meta["val"] for n in input_nodes])
+    _validate(program, [_as_tensor_val(n.meta["val"]) for n in input_nodes])
     chunked_op.register(program)
-    return program, input_nodes, scalar_nodes
+    return program, input_nodes
 
 
 def _index_checks(region, input_nodes):
@@ -138,7 +137,7 @@ def _validate(program: RegionProgram, input_vals):
                 raise RegionRejected("symbolic vocabulary size")
             args.append(torch.empty(shape, dtype=val.dtype))
         try:
-            outs = program.graph_module(*args, *[0.5] * program.n_scalars)
+            outs = program.graph_module(*args)
         except Exception as e:  # noqa: BLE001 - any failure means the emission is not valid here
             raise RegionRejected(f"per-chunk program does not trace: {type(e).__name__}: {e}") from None
     for out, spec in zip(outs, program.outputs):
@@ -146,11 +145,17 @@ def _validate(program: RegionProgram, input_vals):
             raise RegionRejected(f"per-chunk output {tuple(out.shape)} {out.dtype} != (3, {spec.width}) {spec.dtype}")
 
 
+def _as_tensor_val(val):
+    return val if isinstance(val, torch.Tensor) else torch.empty((), dtype=torch.float64)
+
+
 def _size_node(graph, size, input_nodes):
     """An int, or a graph node computing a symbolic `size` from some input's dims."""
     if isinstance(size, int):
         return size
     for node in input_nodes:
+        if not isinstance(node.meta["val"], torch.Tensor):
+            continue
         shape = node.meta["val"].shape
         for start in range(len(shape)):
             for stop in range(start + 1, len(shape) + 1):
@@ -166,16 +171,19 @@ def _size_node(graph, size, input_nodes):
     raise RegionRejected(f"cannot express output size {size} from the region's inputs")
 
 
-def _replace(graph, region: Region, program, input_nodes, scalar_nodes):
+def _replace(graph, region: Region, program, input_nodes):
     inside = set(region.nodes)
     with graph.inserting_after(region.nodes[-1]):
         anchor_node = graph.call_function(operator.getitem, ((None,), 0))  # placeholder position marker
     with graph.inserting_before(anchor_node):
         sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
-        op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default,
-                                 (program.key, list(input_nodes), list(scalar_nodes), sizes))
+        tensors = [n if isinstance(n.meta["val"], torch.Tensor) else
+                   graph.call_function(aten.scalar_tensor.default, (n,), {"dtype": torch.float64})
+                   for n in input_nodes]
+        op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
         op.meta["val"] = [o.meta["val"] for o in region.outputs]
-        op.meta["stack_trace"] = region.anchor.meta.get("stack_trace")
+        if region.anchor.meta.get("stack_trace"):
+            op.meta["stack_trace"] = region.anchor.meta["stack_trace"]
         op.meta["graphpass.program"] = program.key
         for i, out in enumerate(region.outputs):
             item = graph.call_function(operator.getitem, (op, i))

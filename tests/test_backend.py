@@ -1,0 +1,237 @@
+"""The backend as a user meets it: entry point, fallback, strict mode, errors, recompiles, layouts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphpass
+from passes import chunk_rowwise_regions
+
+V = 37
+
+
+def logprob_entropy(logits, tokens, temperature=0.7, ent_coef=0.0):
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return -logp.mean() - ent_coef * entropy.mean(), entropy
+
+
+def _inputs(*rows, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*rows, V, generator=g).to(dtype).requires_grad_()
+    tokens = torch.randint(0, V, rows, generator=g)
+    return logits, tokens
+
+
+def _check_parity(fn, backend, *rows, dtype=torch.float32, atol=1e-5, **kwargs):
+    """Values and logits gradients of the compiled fn equal eager's."""
+    logits, tokens = _inputs(*rows, dtype=dtype)
+    ref_logits = logits.detach().clone().requires_grad_()
+    out = torch.compile(fn, backend=backend)(logits, tokens, **kwargs)
+    ref = fn(ref_logits, tokens, **kwargs)
+    out[0].backward()
+    ref[0].backward()
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=atol)
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.float(), atol=atol, rtol=atol)
+    assert logits.grad.dtype == dtype
+    return backend.records
+
+
+def test_string_backend_works_without_importing_graphpass():
+    script = textwrap.dedent("""
+        import sys, torch
+        assert "graphpass" not in sys.modules
+        fn = lambda x, t: torch.log_softmax(x / 0.7, -1).gather(-1, t[:, None]).sum()
+        x = torch.randn(9, 21, requires_grad=True); t = torch.randint(0, 21, (9,))
+        y = torch.compile(fn, backend="graphpass")(x, t); y.backward()
+        xe = x.detach().clone().requires_grad_(); fn(xe, t).backward()
+        torch.testing.assert_close(y, fn(xe, t)); torch.testing.assert_close(x.grad, xe.grad)
+        from graphpass.backend import _default_backend
+        print(len(_default_backend().records[0].sites))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1"
+
+
+def test_site_record_describes_the_rewrite():
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    records = _check_parity(logprob_entropy, backend, 13)
+    (site,) = records[0].sites
+    assert [o.kind for o in site.outputs] == ["logprob", "entropy"]
+    assert site.shape == (13, V) and site.dtype == torch.float32 and site.chunk_size == 4
+    assert site.source.startswith("test_backend.py:")
+    assert site.outputs[0].temperature == "/ 0.7"
+    # The entropy is a graph output, so its gradient may be wanted: kept (skipped at run time
+    # when the incoming gradient is zero); ent_coef=0.0 is a constant, but the output escapes.
+    assert site.outputs[0].keeps_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_parity_bsv_layout(dtype):
+    backend = graphpass.Backend(chunk_size=3)
+    _check_parity(logprob_entropy, backend, 2, 5, dtype=dtype, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert len(backend.records[0].sites) == 1
+
+
+def test_t_equals_one_and_chunk_larger_than_t():
+    backend = graphpass.Backend(chunk_size=64, inner="aot_eager")
+    _check_parity(logprob_entropy, backend, 1)
+    assert len(backend.records[0].sites) == 1
+
+
+def test_entropy_gradient_dropped_for_constant_zero_coefficient():
+    def loss(logits, tokens, ent_coef=0.0):
+        lp = torch.log_softmax(logits, -1)
+        logp = lp.gather(-1, tokens[:, None]).squeeze(-1)
+        entropy = -(lp.exp() * lp).sum(-1)
+        return (-logp.mean() - ent_coef * entropy.mean(),)
+
+    for coef, kept in [(0.0, False), (0.01, True)]:
+        torch.compiler.reset()
+        backend = graphpass.Backend(chunk_size=5, inner="aot_eager")
+        _check_parity(loss, backend, 11, ent_coef=coef)
+        kinds = {o.kind: o.keeps_grad for o in backend.records[0].sites[0].outputs}
+        assert kinds == {"logprob": True, "entropy": kept}
+
+
+def test_entropy_in_no_grad_block_is_forward_only():
+    def loss(logits, tokens):
+        lp = torch.log_softmax(logits, -1)
+        with torch.no_grad():
+            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        return -lp.gather(-1, tokens[:, None]).mean(), entropy
+
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    _check_parity(loss, backend, 10)
+    outputs = [o for s in backend.records[0].sites for o in s.outputs]
+    assert sorted((o.kind, o.keeps_grad) for o in outputs) == [("entropy", False), ("logprob", True)]
+
+
+def test_non_contiguous_logits_slice():
+    def loss(logits, tokens):
+        shifted = logits[:, :-1, :]
+        lp = torch.log_softmax(shifted, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return (-lp.mean(),)
+
+    backend = graphpass.Backend(chunk_size=2, inner="aot_eager")
+    _check_parity(loss, backend, 3, 7)
+    assert len(backend.records[0].sites) == 1
+
+
+def test_wide_value_needed_outside_is_left_alone_and_correct():
+    def loss(logits, tokens):
+        probs = torch.softmax(logits, -1)
+        lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])
+        return (-lp.mean() + probs.pow(2).sum(),)
+
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    _check_parity(loss, backend, 9)
+    assert [o.kind for s in backend.records[0].sites for o in s.outputs] == ["logprob"]
+
+
+def test_nothing_to_rewrite_runs_unchanged():
+    def loss(logits, tokens):
+        return ((logits * 2).sum(-1).mean(),)
+
+    backend = graphpass.Backend(inner="aot_eager")
+    _check_parity(loss, backend, 6)
+    assert backend.records[0].sites == [] and backend.records[0].fallback_reason is None
+
+
+def test_failing_pass_falls_back_and_strict_raises(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(chunk_rowwise_regions, "find_regions", broken)
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    _check_parity(logprob_entropy, backend, 7)
+    record = backend.records[0]
+    assert record.sites == []
+    assert "chunk_rowwise_regions_pass" in record.fallback_reason and "boom" in record.fallback_reason
+
+    torch.compiler.reset()
+    strict = graphpass.Backend(chunk_size=4, inner="aot_eager", strict=True)
+    logits, tokens = _inputs(7)
+    with pytest.raises(Exception, match="boom"):
+        torch.compile(logprob_entropy, backend=strict)(logits, tokens)
+
+
+def test_out_of_range_token_id_raises_clear_error():
+    logits, tokens = _inputs(6)
+    tokens[3] = V + 5
+    compiled = torch.compile(logprob_entropy, backend=graphpass.Backend(chunk_size=4, inner="aot_eager"))
+    with pytest.raises(IndexError, match=r"token id 42 is outside the vocabulary \[0, 37\)"):
+        compiled(logits, tokens)
+
+
+def test_cross_entropy_ignore_index_is_not_an_error():
+    def loss(logits, tokens):
+        return (-(-F.cross_entropy(logits, tokens, reduction="none")).mean(),)
+
+    logits, tokens = _inputs(8)
+    tokens[2] = -100
+    ref_logits = logits.detach().clone().requires_grad_()
+    backend = graphpass.Backend(chunk_size=3, inner="aot_eager")
+    out = torch.compile(loss, backend=backend)(logits, tokens)[0]
+    ref = loss(ref_logits, tokens)[0]
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert len(backend.records[0].sites) == 1
+
+
+def test_ten_sequence_lengths_cost_at_most_two_compilations():
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    compiled = torch.compile(logprob_entropy, backend=backend)
+    for rows in range(5, 15):
+        logits, tokens = _inputs(rows, seed=rows)
+        ref_logits = logits.detach().clone().requires_grad_()
+        out = compiled(logits, tokens)[0]
+        ref = logprob_entropy(ref_logits, tokens)[0]
+        out.backward()
+        ref.backward()
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert len(backend.records) <= 2
+    assert all(len(r.sites) == 1 for r in backend.records)
+
+
+def test_runtime_temperature_is_applied_exactly():
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    compiled = torch.compile(logprob_entropy, backend=backend)
+    for temperature in (0.7, 0.5, 1.3):
+        logits, tokens = _inputs(9)
+        ref_logits = logits.detach().clone().requires_grad_()
+        out = compiled(logits, tokens, temperature=temperature)
+        ref = logprob_entropy(ref_logits, tokens, temperature=temperature)
+        out[0].backward()
+        ref[0].backward()
+        torch.testing.assert_close(out[1], ref[1])
+        torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert all(len(r.sites) == 1 for r in backend.records)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"inner": "tvm"}, "inner must be one of inductor, aot_eager, eager"),
+    ({"chunk_size": 0}, "chunk_size must be a positive int"),
+    ({"disable_passes": "tag_grad_flow_pass"}, "must be a tuple of pass names"),
+])
+def test_config_rejects_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        graphpass.Backend(**options)
+
+
+def test_disabling_the_rewrite_pass_runs_the_graph_unchanged():
+    backend = graphpass.Backend(inner="aot_eager", disable_passes=("chunk_rowwise_regions_pass",))
+    _check_parity(logprob_entropy, backend, 5)
+    assert backend.records[0].sites == [] and backend.records[0].passes_run == ["tag_grad_flow_pass"]
