@@ -6,7 +6,8 @@
 
 from graphpass.backend import Backend
 from graphpass.config import Config
+from graphpass.explain import explain
 from graphpass.records import Candidate, GraphRecord, OutputRecord, SiteRecord
 
-__all__ = ["Backend", "Config", "GraphRecord", "SiteRecord", "OutputRecord", "Candidate"]
+__all__ = ["Backend", "Config", "explain", "GraphRecord", "SiteRecord", "OutputRecord", "Candidate"]
 __version__ = "0.1.0"

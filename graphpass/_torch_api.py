@@ -36,6 +36,13 @@ def capture_pre_dispatch(gm: torch.fx.GraphModule, example_inputs) -> tuple[torc
     return aten_gm, fakes
 
 
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Reorder nodes minimally so every node follows its inputs (inductor's helper)."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as sort
+
+    sort(graph)
+
+
 def known_equal(a, b) -> bool:
     """True when two (possibly symbolic) sizes are equal for this graph.
 

@@ -59,7 +59,7 @@ def source_of(node: torch.fx.Node) -> str:
 _FINISHING = {
     torch.ops.aten.neg.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
     torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default,
-    torch.ops.aten.reshape.default, torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.view_as.default, torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
     operator.getitem,
 }
 
@@ -113,8 +113,14 @@ class _Grower:
             node = frontier.pop()
             wide = self.is_wide(node)
             for p in node.all_input_nodes:
-                if _is_tensor_node(p) and p not in self.nodes and self.is_wide(p) and self.try_add(p) is None:
+                if not (_is_tensor_node(p) and p not in self.nodes and self.is_wide(p)):
+                    continue
+                if self.try_add(p) is None:
                     frontier.append(p)
+                else:
+                    # A wide input (the logits): its other row-local readers belong here too,
+                    # e.g. the gather in `gather(x) - logsumexp(x)`.
+                    frontier.extend(u for u in p.users if u not in self.nodes and self.try_add(u) is None)
             if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), tuple):
                 for u in node.users:
                     if u not in self.nodes and self.try_add(u) is None:
@@ -141,7 +147,7 @@ class _Grower:
                 for u in node.users:
                     if u in self.nodes or u.op != "call_function":
                         continue
-                    inputs = [a for a in u.all_input_nodes if _is_tensor_node(a)]
+                    inputs = [a for a in rowlocal.data_inputs(u) if _is_tensor_node(a)]
                     finishing = u.target in _FINISHING or len(set(inputs)) >= 2
                     if finishing and all(a in self.nodes for a in inputs) and self.try_add(u) is None:
                         changed = True
@@ -197,6 +203,9 @@ def _finish(grower: _Grower, order, regions) -> str | None:
                 inputs.append(a)
     if not any(grower.is_wide(a) for a in inputs if _is_tensor_node(a)):
         return "it reads no [rows, V] input"
+    for a in inputs:  # views in the region read their source's layout
+        if _is_tensor_node(a):
+            grower.layouts.setdefault(a, rowlocal.layout_of(a.meta["val"], grower.rows))
     grower.claimed.update(nodes)
     regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs))
     return None

@@ -58,8 +58,18 @@ _IDENTITY_LIKE = {
 _VIEWS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
-    aten.expand.default,
+    aten.expand.default, aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
 }
+#: Ops whose second argument contributes only its shape or dtype, never its values.
+SHAPE_ONLY_SECOND_ARG = {aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
+                         aten.type_as.default}
+
+
+def data_inputs(node) -> list:
+    """The input nodes whose values `node` reads."""
+    if node.target in SHAPE_ONLY_SECOND_ARG:
+        return [node.args[0]] if isinstance(node.args[0], torch.fx.Node) else []
+    return list(node.all_input_nodes)
 _REDUCTIONS = {  # over the last dim; `dim` is a list for these
     aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
     aten.logsumexp.default, aten.any.dims, aten.all.dims,
@@ -145,7 +155,7 @@ def check(node, rows, layouts: dict) -> str | None:
     has_tail = in_layout.row_dims < ndim
     if target in _VIEWS:
         if known_equal(in_layout.width, out_layout.width) or (
-                target is aten.expand.default and known_equal(in_layout.width, 1)):
+                target in (aten.expand.default, aten.expand_as.default) and known_equal(in_layout.width, 1)):
             return None
         return f"{_name(node)} moves elements between rows and the vocabulary"
     kw = _normalized(node)

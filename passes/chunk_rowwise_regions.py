@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpass import chunked_op, rowlocal
-from graphpass._torch_api import known_equal
+from graphpass._torch_api import known_equal, stable_topological_sort
 from graphpass.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.records import Candidate, OutputRecord, SiteRecord
 from graphpass.regions import Region, find_regions, source_of
@@ -42,7 +42,8 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     """Rewrite every row-local region of `gm` into a chunked op; fill `record.sites/rejected`."""
     regions, rejected = find_regions(gm)
     record.rejected.extend(rejected)
-    for region in regions:
+    built = []
+    for region in regions:  # build and label every region before the graph changes under them
         try:
             program, input_nodes = _build_program(region, config)
         except RegionRejected as e:
@@ -50,7 +51,11 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
         record.sites.append(_site_record(region, program, input_nodes))
+        built.append((region, program, input_nodes))
+    for region, program, input_nodes in built:
         _replace(gm.graph, region, program, input_nodes)
+    # An output may be used before the region's last node; move such users after the op.
+    stable_topological_sort(gm.graph)
     return gm
 
 

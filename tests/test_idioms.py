@@ -106,31 +106,18 @@ DEFAULT_EXTRA = {
 }
 
 
-# Failures of the core (graphpass 9e504c6), not of the idioms: strict, so a fix shows up as XPASS.
-_TOPO = ("core: chunk_rowwise_regions._replace inserts the op after the region's last node, but an "
-         "earlier output is already used before that node -> 'Argument getitem_N ... used before it "
-         "has been defined'; the graph falls back")
+# Known failures of the core, not of the idioms: strict, so a fix shows up as XPASS.
 CORE_BUGS = {
-    "neg_cross_entropy": "core: KeyError in rowlocal.emit (layouts[source], rowlocal.py:204) for "
-                         "logits.reshape(-1, V), a view whose source is a region input",
-    "neg_nll_loss": "core: KeyError in rowlocal.emit (layouts[source]) for logits.reshape(-1, V) of a region input",
+    "neg_cross_entropy": "core: the region ends in cross_entropy -> view_as -> neg; the site is labelled "
+                         "'rowwise' (values and gradients are right)",
+    "neg_nll_loss": "core: as neg_cross_entropy, labelled 'rowwise' after view_as",
     "neg_cross_entropy_transposed": "core: rejected 'cross_entropy_loss output is not laid out over the "
                                     "region's rows' for cross_entropy(logits.transpose(1, 2), tokens)",
-    "gather_minus_logsumexp": "core: the region holds only logsumexp; the gather of the raw logits and "
-                              "the sub are left out, so the site is one 'rowwise' lse",
-    "entropy_logsumexp_minus_expected_logit": "core: logsumexp and sum(softmax*x) become two regions "
-                                              "and the narrow sub joining them is not merged",
-    "entropy_categorical": "core: regions stop at broadcast_tensors (Categorical.log_prob), leaving "
-                           "logsumexp alone; the entropy region is labelled after the first rewrite, "
-                           "so label_output sees a rowwise_chunked getitem instead of the logsumexp",
+    "entropy_categorical": "core: Categorical.log_prob's broadcast_tensors leaves logsumexp as an extra "
+                           "'rowwise' site beside 'entropy+logprob'",
+    "entropy_detached": "core: the detached entropy output is labelled 'rowwise' (site 'logprob+rowwise')",
     "entropy_no_grad_block": "core: region stops at the no_grad boundary, then is rejected: "
                              "'log_softmax.int: its [rows, V] values are needed outside it'",
-    "entropy_shared_log_softmax": _TOPO,
-    "entropy_detached": _TOPO,
-    "float_upcast": _TOPO,
-    "temperature_div": _TOPO,
-    "top_p_masked_fill": _TOPO,
-    "sampled_token_p_log_p": _TOPO,
 }
 
 
@@ -164,7 +151,6 @@ def test_catalog_is_complete():
     assert any("entropy" in i.forbidden_kinds for i in IDIOMS), "needs a must-not-be-entropy idiom"
 
 
-@pytest.mark.xfail(strict=True, reason=_TOPO)
 def test_chunk_size_chosen_at_run_time():
     run_parity(idioms.BY_NAME["entropy_shared_log_softmax"], "2d", 13, torch.float32, chunk_size=None)
 
@@ -184,7 +170,6 @@ def _keeps_grad_by_kind(backend) -> dict[str, list[bool]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=_TOPO)
 @pytest.mark.parametrize("coef,entropy_grad", [(0.0, False), (0.01, True)], ids=["coef0", "coef0.01"])
 def test_entropy_coefficient_decides_entropy_grad(coef, entropy_grad):
     backend = run_parity(idioms.BY_NAME["entropy_shared_log_softmax"], "2d", 13, torch.float32,
@@ -202,7 +187,6 @@ def test_detached_entropy_keeps_no_grad(name):
 # ---- a temperature that becomes a runtime scalar -------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=_TOPO)
 def test_runtime_temperature_after_recompile():
     """A second float recompiles with the temperature read through .item(): still rewritten."""
     idiom = idioms.BY_NAME["temperature_div"]
