@@ -73,7 +73,7 @@ def estimate_one(impl: str, dtype: torch.dtype, T: int, V: int, chunk_size=None)
 
     from graphpass import memory
     from graphpass.config import Config
-    from graphpass.explain import capture
+    from graphpass.inspection import capture
 
     with FakeTensorMode():
         logits = torch.empty(T, V, dtype=dtype, requires_grad=True)

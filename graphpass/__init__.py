@@ -6,7 +6,7 @@
 
 from graphpass.backend import Backend
 from graphpass.config import Config
-from graphpass.explain import explain
+from graphpass.inspection import explain
 from graphpass.records import Candidate, GraphRecord, OutputRecord, SiteRecord
 
 __all__ = ["Backend", "Config", "explain", "GraphRecord", "SiteRecord", "OutputRecord", "Candidate"]

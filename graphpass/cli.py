@@ -192,7 +192,7 @@ def inspect_command(args) -> int:
     except SpecError as e:
         return _fail(str(e), 2)
 
-    from graphpass import explain as explain_mod
+    from graphpass import inspection as explain_mod
     from graphpass import report
 
     try:

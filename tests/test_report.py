@@ -117,13 +117,13 @@ def test_explain_returns_the_report_the_cli_renders():
     import os
     import sys
 
-    import graphpass.explain
+    import graphpass
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from examples.ppo_loss import example_inputs, ppo_loss
 
     torch.compiler.reset()
-    rep = graphpass.explain.explain(ppo_loss, *example_inputs(32, 64, torch.bfloat16), temperature=0.5)
+    rep = graphpass.explain(ppo_loss, *example_inputs(32, 64, torch.bfloat16), temperature=0.5)
     assert isinstance(rep, report.Report) and len(rep.graphs) == 1
     (s,) = rep.sites
     assert s.bytes_saved > 0 and s.source.startswith("ppo_loss.py:") and s.shape == [32, 64]
@@ -132,5 +132,5 @@ def test_explain_returns_the_report_the_cli_renders():
 
     torch.compiler.reset()
     x = torch.randn(32, 64, requires_grad=True)
-    plain = graphpass.explain.explain(lambda a: (a * a).sum(), x)
+    plain = graphpass.explain(lambda a: (a * a).sum(), x)
     assert plain.sites == [] and plain.graphs[0].bytes_saved == 0
