@@ -5,25 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
-
+from graphpass._torch_api import capture_pre_dispatch
 from graphpass.recognize import OutputLabel, label_output
 
 T, V = 5, 7
 B, S = 2, 3
 
 
+def _capturing_backend(captured: list):
+    """A backend that appends the pre-dispatch ATen graph the core would see, then runs eagerly."""
+
+    def backend(gm, example_inputs):
+        captured.append(capture_pre_dispatch(gm, example_inputs)[0])
+        return gm.forward
+
+    return backend
+
+
 def capture(fn, *args) -> torch.fx.GraphModule:
     """The last pre-dispatch ATen graph Dynamo hands a backend for `fn(*args)` (as the core sees it)."""
     captured = []
 
-    def backend(gm, example_inputs):
-        fake_mode = detect_fake_mode(example_inputs)
-        with fake_mode:
-            fakes = [fake_mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in example_inputs]
-            captured.append(make_fx(gm, pre_dispatch=True)(*fakes))
-        return gm.forward
+    backend = _capturing_backend(captured)
 
     torch.compile(fn, backend=backend, fullgraph=True)(*args)
     return captured[-1]
@@ -412,12 +415,7 @@ def _runtime_scalar_graph(fn):
     x, t = inputs()
     captured = []
 
-    def backend(gm, example_inputs):
-        fake_mode = detect_fake_mode(example_inputs)
-        with fake_mode:
-            fakes = [fake_mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in example_inputs]
-            captured.append(make_fx(gm, pre_dispatch=True)(*fakes))
-        return gm.forward
+    backend = _capturing_backend(captured)
 
     compiled = torch.compile(fn, backend=backend)
     compiled(x, t, 0.7)
@@ -509,12 +507,7 @@ def test_symbolic_shapes():
     temp = torch.rand(T) + 0.5
     captured = []
 
-    def backend(gm, example_inputs):
-        fake_mode = detect_fake_mode(example_inputs)
-        with fake_mode:
-            fakes = [fake_mode.from_tensor(e) if isinstance(e, torch.Tensor) else e for e in example_inputs]
-            captured.append(make_fx(gm, pre_dispatch=True)(*fakes))
-        return gm.forward
+    backend = _capturing_backend(captured)
 
     def fn(x, t, temp):
         lp = F.log_softmax(x / temp[:, None], -1)
