@@ -79,6 +79,8 @@ _REDUCTIONS_INT_DIM = {aten.argmax.default, aten.argmin.default, aten.max.dim, a
 _SOFTMAX = {aten.log_softmax.int, aten.softmax.int, aten._log_softmax.default, aten._softmax.default}
 _GATHER = {aten.gather.default, aten.take_along_dim.default}
 _NLL = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+#: Ops that index the vocabulary with token ids (gather's `index`, the losses' `target`).
+TOKEN_ID_OPS = _GATHER | _NLL
 
 #: Ops that start a region: they normalise a distribution over the vocabulary.
 ANCHORS = _SOFTMAX | {aten.logsumexp.default} | _NLL
@@ -89,7 +91,7 @@ def is_pointwise(target) -> bool:
         isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
 
 
-def _normalized(node) -> dict | None:
+def normalized_args(node) -> dict | None:
     """The node's arguments by schema name, defaults filled in."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
@@ -158,7 +160,7 @@ def check(node, rows, layouts: dict) -> str | None:
                 target in (aten.expand.default, aten.expand_as.default) and known_equal(in_layout.width, 1)):
             return None
         return f"{_name(node)} moves elements between rows and the vocabulary"
-    kw = _normalized(node)
+    kw = normalized_args(node)
     if kw is None:
         return f"cannot read the arguments of {_name(node)}"
     if target in _REDUCTIONS:
@@ -214,7 +216,7 @@ def emit(graph: torch.fx.Graph, node, env, layouts):
         if known_equal(layouts[source].width, layouts[node].width):
             return env[source]
         return graph.call_function(aten.expand.default, (env[source], [-1, _static(layouts[node].width)]))
-    kw = _normalized(node)
+    kw = normalized_args(node)
     if target in _REDUCTIONS:
         kw.update(dim=[-1], keepdim=True)
     elif target in _REDUCTIONS_INT_DIM:

@@ -118,16 +118,12 @@ def _index_checks(region, input_nodes):
     """(input position, ignore_index or None) for inputs used as token ids, to range-check."""
     checks = []
     for node in region.nodes:
-        if node.target in (aten.gather.default, aten.take_along_dim.default):
-            index = node.args[2] if node.target is aten.gather.default else node.args[1]
-            ignore = None
-        elif node.target in (aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default):
-            index = node.args[1]
-            ignore = node.kwargs.get("ignore_index", node.args[4] if len(node.args) > 4 else -100)
-        else:
+        if node.target not in rowlocal.TOKEN_ID_OPS:
             continue
+        args = rowlocal.normalized_args(node)
+        index = args.get("index", args.get("indices", args.get("target")))
         if index in input_nodes:
-            checks.append((input_nodes.index(index), ignore))
+            checks.append((input_nodes.index(index), args.get("ignore_index")))
     return checks
 
 
@@ -178,9 +174,7 @@ def _size_node(graph, size, input_nodes):
 
 def _replace(graph, region: Region, program, input_nodes):
     inside = set(region.nodes)
-    with graph.inserting_after(region.nodes[-1]):
-        anchor_node = graph.call_function(operator.getitem, ((None,), 0))  # placeholder position marker
-    with graph.inserting_before(anchor_node):
+    with graph.inserting_before(region.nodes[-1].next):
         sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
         tensors = [n if isinstance(n.meta["val"], torch.Tensor) else
                    graph.call_function(aten.scalar_tensor.default, (n,), {"dtype": torch.float64})
@@ -194,7 +188,6 @@ def _replace(graph, region: Region, program, input_nodes):
             item = graph.call_function(operator.getitem, (op, i))
             item.meta.update(out.meta)
             out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
-    graph.erase_node(anchor_node)
     for node in reversed(region.nodes):
         graph.erase_node(node)
 

@@ -23,6 +23,7 @@ _BLOCKS_GRAD = {
     aten.empty_like.default, aten.full_like.default, aten.item.default,
 }
 _MUL = {aten.mul.Tensor, aten.mul.Scalar}
+_MASK_ARG = {aten.where.self: 0, aten.masked_fill.Scalar: 1, aten.masked_fill.Tensor: 1}
 
 
 def _is_zero_constant(x) -> bool:
@@ -35,10 +36,10 @@ def _edges_carrying_grad(node, modes):
         return []
     if node.target in _MUL and any(_is_zero_constant(a) for a in node.args):
         return []  # a constant-0 coefficient: `0.0 * entropy.mean()`
-    inputs = node.all_input_nodes
-    if node.target in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        inputs = [a for a in inputs if a is not (node.args[0] if node.target is aten.where.self else node.args[1])]
-    return inputs
+    if node.target in _MASK_ARG:  # the boolean mask receives no gradient
+        mask = node.args[_MASK_ARG[node.target]]
+        return [a for a in node.all_input_nodes if a is not mask]
+    return node.all_input_nodes
 
 
 def _requires_grad(gm, example_inputs, modes) -> dict:
