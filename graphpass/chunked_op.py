@@ -79,6 +79,10 @@ class RegionProgram:
         budget = max(self.chunk_budget_bytes, floor // 64)
         return max(1, min(rows, budget // (vocab * 4)))
 
+    def _chunk_rows(self, tensors, rows: int, vocab: int) -> int:
+        """Rows per chunk for these inputs; forward and backward chunk alike."""
+        return self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
+
     def workspace_bytes(self, rows: int, vocab: int) -> int:
         """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs."""
         return _TEMPORARIES_PER_CHUNK * self.rows_per_chunk(rows, vocab) * vocab * 4
@@ -103,12 +107,12 @@ class RegionProgram:
         vocab = wide[0].shape[-1]
         rows = wide[0].numel() // vocab if vocab else 0
         try:
-            return rows, vocab, [(0, rows, [w.view(rows, vocab) for w in wide])]
+            return rows, vocab, [(0, rows, [w.view(rows, w.shape[-1]) for w in wide])]
         except RuntimeError:
             pass
         # A strided view such as logits[:, :-1]: walk its leading dims, each slice is a 2-D view.
         if any(w.shape != wide[0].shape for w in wide):
-            return rows, vocab, [(0, rows, [w.reshape(rows, vocab) for w in wide])]
+            return rows, vocab, [(0, rows, [w.reshape(rows, w.shape[-1]) for w in wide])]
         lead, inner_rows = wide[0].shape[:-2], wide[0].shape[-2]
         blocks = []
         for n, index in enumerate(itertools.product(*map(range, lead))):
@@ -149,7 +153,7 @@ class RegionProgram:
         outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=device) for spec in self.outputs]
         if rows:
             kernel = self._get_forward_kernel()
-            chunk = self.rows_per_chunk(rows, vocab)
+            chunk = self._chunk_rows(tensors, rows, vocab)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
                     for out, value in zip(outs, kernel(*args)):
@@ -198,7 +202,7 @@ class RegionProgram:
                 buffers[i] = torch.zeros(self._canonical(t, spec, rows).shape, dtype=torch.float32,
                                          device=t.device)
         kernel = self._get_backward_kernel(active, wanted)
-        chunk = self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
+        chunk = self._chunk_rows(tensors, rows, vocab)
         flat_buffers = {i: b.view(rows, -1) for i, b in buffers.items() if self.inputs[i].role in (WIDE, ROW)}
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
             chunk_grads = kernel(*args, *[g[sl] for g in flat_grad_outputs])
