@@ -120,11 +120,9 @@ class _Grower:
                 else:
                     # A wide input (the logits): its other row-local readers belong here too,
                     # e.g. the gather in `gather(x) - logsumexp(x)`.
-                    frontier.extend(u for u in p.users if u not in self.nodes and self.try_add(u) is None)
+                    self._add_users(p, frontier)
             if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), tuple):
-                for u in node.users:
-                    if u not in self.nodes and self.try_add(u) is None:
-                        frontier.append(u)
+                self._add_users(node, frontier)
         self._absorb_narrow_closure()
         self._evict_wide_escapes()
         if self.anchor not in self.nodes:
@@ -134,6 +132,10 @@ class _Grower:
                 return "its [rows, V] values are needed outside it"
             self.anchor = anchors[0]
         return None
+
+    def _add_users(self, node, frontier):
+        """Add every row-local reader of `node` to the region and to the frontier."""
+        frontier.extend(u for u in node.users if u not in self.nodes and self.try_add(u) is None)
 
     def _absorb_narrow_closure(self):
         """Add the narrow ops that finish a quantity: sign flips, views and casts of a region
@@ -162,7 +164,7 @@ class _Grower:
                 if escapes and self.is_wide(node):
                     self.nodes.discard(node)
                     changed = True
-            # A tuple-valued node whose getitems left the region must go too.
+            # A getitem whose tuple-valued source left the region must go too.
             for node in list(self.nodes):
                 if node.target is operator.getitem and node.args[0] not in self.nodes:
                     self.nodes.discard(node)
