@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -11,6 +10,7 @@ from graphpass import _torch_api
 from graphpass.config import Config
 from graphpass.pipeline import rewrite_graph
 from graphpass.records import GraphRecord
+from graphpass.report import print_graph_report, reporting_enabled
 
 log = logging.getLogger("graphpass")
 
@@ -37,8 +37,8 @@ class Backend:
             result = rewrite_graph(gm, example_inputs, self.config, record)
         except Exception as e:
             return self._fall_back(gm, example_inputs, record, f"rewrite failed: {_describe(e)}", e)
-        if self.config.report or os.environ.get("GRAPHPASS_REPORT") == "1":
-            _print_report(result)
+        if reporting_enabled(self.config):
+            print_graph_report(result)
         if not record.sites:
             return _torch_api.inner_compile(self.config.inner, gm, example_inputs)
         try:
@@ -62,15 +62,6 @@ class Backend:
 def _describe(error: Exception) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _print_report(result):
-    try:
-        from graphpass.report import print_graph_report
-    except ImportError:  # reporting is optional until its module lands
-        log.info("graphpass: %s", result.record)
-        return
-    print_graph_report(result)
 
 
 def graphpass_backend(gm, example_inputs):
