@@ -238,7 +238,7 @@ def _factor_desc(op: str, factor) -> str:
 
 _VIEWS = {
     aten.view, aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.expand,
-    aten.flatten, aten.unflatten,
+    aten.flatten, aten.unflatten, aten.view_as, aten.reshape_as, aten.expand_as,
 }
 # Ops that change neither values nor layout (dtype casts change precision, not meaning).
 _CASTS = {

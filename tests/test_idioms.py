@@ -108,9 +108,6 @@ DEFAULT_EXTRA = {
 
 # Known failures of the core, not of the idioms: strict, so a fix shows up as XPASS.
 CORE_BUGS = {
-    "neg_cross_entropy": "core: the region ends in cross_entropy -> view_as -> neg; the site is labelled "
-                         "'rowwise' (values and gradients are right)",
-    "neg_nll_loss": "core: as neg_cross_entropy, labelled 'rowwise' after view_as",
     "neg_cross_entropy_transposed": "core: rejected 'cross_entropy_loss output is not laid out over the "
                                     "region's rows' for cross_entropy(logits.transpose(1, 2), tokens)",
     "entropy_categorical": "core: Categorical.log_prob's broadcast_tensors leaves logsumexp as an extra "

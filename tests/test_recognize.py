@@ -91,6 +91,14 @@ def lp_neg_nll_loss(x, t, temp=None):
     return -F.nll_loss(F.log_softmax(_scaled(x, temp), -1), t, reduction="none")
 
 
+def lp_neg_cross_entropy_view_as(x, t, temp=None):
+    return -F.cross_entropy(_scaled(x, temp), t, reduction="none").view_as(t)
+
+
+def lp_neg_nll_loss_reshape_as(x, t, temp=None):
+    return -F.nll_loss(F.log_softmax(_scaled(x, temp), -1), t, reduction="none").reshape_as(t)
+
+
 def lp_float_upcast(x, t, temp=None):
     return F.log_softmax(_scaled(x.float(), temp), -1).gather(-1, t[:, None]).squeeze(-1)
 
@@ -126,6 +134,8 @@ LOGPROB_FORMS = [
     lp_gather_minus_logsumexp,
     lp_neg_cross_entropy,
     lp_neg_nll_loss,
+    lp_neg_cross_entropy_view_as,
+    lp_neg_nll_loss_reshape_as,
     lp_float_upcast,
     lp_double_negation,
     lp_masked_fill_top_p,
