@@ -56,12 +56,17 @@ def source_of(node: torch.fx.Node) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
+aten = torch.ops.aten
+
+#: Narrow ops that finish a quantity: a sign flip, views, casts.
 _FINISHING = {
-    torch.ops.aten.neg.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
-    torch.ops.aten.squeeze.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default,
-    torch.ops.aten.reshape.default, torch.ops.aten.view_as.default, torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
-    operator.getitem,
+    aten.neg.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.view_as.default,
+    aten.reshape_as.default, aten.to.dtype, aten._to_copy.default, operator.getitem,
 }
+#: Finishing only as the sole reader of their input (`-x.sum(-1).detach()`); beside other
+#: readers they make a logged copy, which stays outside rather than becoming a second output.
+_FINISHING_IF_ONLY_READER = {aten.detach.default, aten.alias.default}
 
 
 def _wide(layout, vocab) -> bool:
@@ -97,9 +102,11 @@ class _Grower:
         why = rowlocal.check(node, self.rows, self.layouts)
         if why is not None:
             return why
-        if node.target is torch.ops.aten.slice.Tensor:
-            self.vocabs.append(node.meta["val"].shape[-1])
         val = node.meta["val"]
+        if node.target is aten.slice.Tensor and not known_equal(val.shape[-1], 1):
+            # A slice of the vocabulary (a padded vocab cut to size) is still wide; a one-wide
+            # slice picks a column, like a gather (Categorical.log_prob's broadcast index).
+            self.vocabs.append(val.shape[-1])
         self.layouts[node] = rowlocal.layout_of(val[0] if isinstance(val, (tuple, list)) else val, self.rows)
         self.nodes.add(node)
         return None
@@ -121,7 +128,7 @@ class _Grower:
                     # A wide input (the logits): its other row-local readers belong here too,
                     # e.g. the gather in `gather(x) - logsumexp(x)`.
                     self._add_users(p, frontier)
-            if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), tuple):
+            if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), (tuple, list)):
                 self._add_users(node, frontier)
         self._absorb_narrow_closure()
         self._evict_wide_escapes()
@@ -138,10 +145,10 @@ class _Grower:
         frontier.extend(u for u in node.users if u not in self.nodes and self.try_add(u) is None)
 
     def _absorb_narrow_closure(self):
-        """Add the narrow ops that finish a quantity: sign flips, views and casts of a region
-        value (`-sum(p * logp)`, `.squeeze(-1)`), and ops combining several region values
-        (`lse - sum(p * x)`). Further per-token math (`2 * logp`, `logp - old`) stays outside,
-        so each output is the quantity itself."""
+        """Add the narrow ops that finish a quantity: sign flips, views, casts and detaches of a
+        region value (`-sum(p * logp)`, `.squeeze(-1)`, `-x.sum(-1).detach()`), and ops combining
+        several region values (`lse - sum(p * x)`). Further per-token math (`2 * logp`,
+        `logp - old`) stays outside, so each output is the quantity itself."""
         changed = True
         while changed:
             changed = False
@@ -150,7 +157,8 @@ class _Grower:
                     if u in self.nodes or u.op != "call_function":
                         continue
                     inputs = [a for a in rowlocal.data_inputs(u) if _is_tensor_node(a)]
-                    finishing = u.target in _FINISHING or len(set(inputs)) >= 2
+                    finishing = (u.target in _FINISHING or len(set(inputs)) >= 2
+                                 or (u.target in _FINISHING_IF_ONLY_READER and len(node.users) == 1))
                     if finishing and all(a in self.nodes for a in inputs) and self.try_add(u) is None:
                         changed = True
 

@@ -86,8 +86,13 @@ TOKEN_ID_OPS = _GATHER | _NLL
 ANCHORS = _SOFTMAX | {aten.logsumexp.default} | _NLL
 
 
+#: Elementwise broadcasting of a list of operands, one output each (Categorical.log_prob
+#: broadcasts the token index against the log-probs).
+_BROADCASTS = {aten.broadcast_tensors.default}
+
+
 def is_pointwise(target) -> bool:
-    return target in _IDENTITY_LIKE or (
+    return target in _IDENTITY_LIKE or target in _BROADCASTS or (
         isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
 
 
@@ -146,7 +151,7 @@ def check(node, rows, layouts: dict) -> str | None:
     tensor_args = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
     if is_pointwise(target):
         for a in tensor_args:
-            if operand_role(_val(a), val, out_layout) is None:
+            if operand_role(_val(a), outs[0], out_layout) is None:
                 return f"{_name(node)} broadcasts {a.name} across rows"
         return None
     first = node.args[0] if node.args else None

@@ -110,9 +110,6 @@ DEFAULT_EXTRA = {
 CORE_BUGS = {
     "neg_cross_entropy_transposed": "core: rejected 'cross_entropy_loss output is not laid out over the "
                                     "region's rows' for cross_entropy(logits.transpose(1, 2), tokens)",
-    "entropy_categorical": "core: Categorical.log_prob's broadcast_tensors leaves logsumexp as an extra "
-                           "'rowwise' site beside 'entropy+logprob'",
-    "entropy_detached": "core: the detached entropy output is labelled 'rowwise' (site 'logprob+rowwise')",
     "entropy_no_grad_block": "core: region stops at the no_grad boundary, then is rejected: "
                              "'log_softmax.int: its [rows, V] values are needed outside it'",
 }
