@@ -5,7 +5,10 @@ cross_entropy, ...), a region grows over data edges through row-local ops: upwar
 producers (casts, temperature scaling, -inf masking), downward through every row-local consumer
 of a wide value (reductions and gathers that make narrow outputs), and over narrow ops whose
 inputs all come from the region (`-sum`, `lse - sum`, squeeze). It stops at anything else, at
-a change of grad mode, and at values used outside that are still `[rows, V]` wide.
+values used outside that are still `[rows, V]` wide, and where grad mode would leak: a region
+may span a `no_grad` block (an entropy logged from the shared log_softmax), but no value
+computed under no_grad may feed one computed with grad, since the chunked op's backward would
+differentiate through it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from graphpass import rowlocal
 from graphpass._torch_api import known_equal
 from graphpass.records import Candidate
 
+#: node.meta key: True iff the node requires grad and a gradient from the graph outputs reaches
+#: it (set by passes.tag_grad_flow).
+GRAD_FLOWS = "graphpass.grad_flows"
 
 @dataclasses.dataclass
 class Region:
@@ -97,8 +103,12 @@ class _Grower:
             return None
         if node in self.claimed:
             return "already part of another region"
-        if node.op != "call_function" or self.modes[node] != self.modes[self.anchor]:
-            return "different grad mode" if node.op == "call_function" else f"{node.op}"
+        if node.op != "call_function":
+            return node.op
+        if self.modes[node] and any(a in self.nodes and not self.modes[a] for a in node.all_input_nodes):
+            return "it reads a value computed under no_grad"
+        if not self.modes[node] and any(u in self.nodes and self.modes[u] for u in node.users):
+            return "it is computed under no_grad and read with grad"
         why = rowlocal.check(node, self.rows, self.layouts)
         if why is not None:
             return why
@@ -213,9 +223,34 @@ def _finish(grower: _Grower, order, regions) -> str | None:
                 inputs.append(a)
     if not any(grower.is_wide(a) for a in inputs if _is_tensor_node(a)):
         return "it reads no [rows, V] input"
+    why = _grad_mode_conflict(nodes, outputs, grower.modes)
+    if why is not None:
+        return why
     for a in inputs:  # views in the region read their source's layout
         if _is_tensor_node(a):
             grower.layouts.setdefault(a, rowlocal.layout_of(a.meta["val"], grower.rows))
     grower.claimed.update(nodes)
     regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs))
+    return None
+
+
+def _grad_mode_conflict(nodes, outputs, modes) -> str | None:
+    """Why the chunked op, placed where the region's last node is, would change grad mode.
+
+    The op runs in the mode at that place. With grad on there, an output computed under no_grad
+    must be known not to carry a gradient (the op then marks it non-differentiable). Readers of
+    its outputs that sit before that place are moved after the op; they must not change mode.
+    """
+    last, inside = nodes[-1], set(nodes)
+    if not modes[last] and any(modes[n] for n in nodes):
+        return "it ends inside a no_grad block"
+    if modes[last] and any(not modes[o] and o.meta.get(GRAD_FLOWS) is not False for o in outputs):
+        return "an output computed under no_grad is not tagged gradient-free (tag_grad_flow_pass)"
+    moved, node = set(), nodes[0]
+    while node is not last:
+        if node not in inside and any(a in inside or a in moved for a in node.all_input_nodes):
+            if modes[node] != modes[last]:
+                return "a reader of its outputs runs in another grad mode before the region ends"
+            moved.add(node)
+        node = node.next
     return None

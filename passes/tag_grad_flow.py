@@ -6,11 +6,11 @@ import numbers
 
 import torch
 
-from graphpass.regions import grad_modes
+from graphpass.regions import GRAD_FLOWS, grad_modes
 
 aten = torch.ops.aten
 
-GRAD_FLOWS = "graphpass.grad_flows"
+__all__ = ["GRAD_FLOWS", "tag_grad_flow_pass"]
 
 # Ops whose result carries no gradient to their inputs.
 _BLOCKS_GRAD = {

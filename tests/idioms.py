@@ -179,6 +179,37 @@ def entropy_no_grad_block(logits, tokens, adv, old_logp, **_):
     return (ppo_loss(logp, old_logp, adv), *_stats(logp, ent))
 
 
+def entropy_no_grad_block_last(logits, tokens, adv, old_logp, **_):
+    # The region would end inside the no_grad block, where the chunked op would lose logp's grad.
+    lp = F.log_softmax(logits, -1)
+    logp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    loss = ppo_loss(logp, old_logp, adv)
+    with torch.no_grad():
+        ent = -(lp.exp() * lp).sum(-1)
+    return (loss, *_stats(logp, ent))
+
+
+def no_grad_probs_weight_log_probs(logits, tokens, adv, old_logp, **_):
+    # -(p * logp).sum(-1) with p a constant: the entropy's value, but not its gradient.
+    lp = F.log_softmax(logits, -1)
+    with torch.no_grad():
+        p = lp.exp()
+    cross = -(p * lp).sum(-1)
+    logp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return (ppo_loss(logp, old_logp, adv) - 0.01 * cross.mean(), *_stats(logp, cross))
+
+
+def no_grad_weight_from_logprob(logits, tokens, adv, old_logp, ent_coef=0.01, **_):
+    # A no_grad reader of logp before the region's end: moving it after the op would give it grad.
+    lp = F.log_softmax(logits, -1)
+    logp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        w = logp.exp()
+    ent = -(lp.exp() * lp).sum(-1)
+    loss = ppo_loss(logp, old_logp, adv, ent, ent_coef) + (w * logp).mean()
+    return (loss, *_stats(logp, ent))
+
+
 # ---- dtype, temperature, masking, chunking -------------------------------------------------------
 
 
@@ -271,6 +302,11 @@ IDIOMS: list[Idiom] = [
     Idiom("entropy_detached", entropy_detached, ("entropy+logprob",)),
     Idiom("entropy_no_grad_block", entropy_no_grad_block, ("logprob", "entropy"),
           alternatives=(("entropy+logprob",),)),
+    # Declined for now (grad mode would change); the alternatives are the ideal answers.
+    Idiom("entropy_no_grad_block_last", entropy_no_grad_block_last, (),
+          alternatives=(("entropy+logprob",), SEPARATE)),
+    Idiom("no_grad_probs_weight_log_probs", no_grad_probs_weight_log_probs, (), forbidden_kinds=("entropy",)),
+    Idiom("no_grad_weight_from_logprob", no_grad_weight_from_logprob, (), alternatives=(("entropy+logprob",),)),
     Idiom("float_upcast", float_upcast, ("entropy+logprob",)),
     Idiom("temperature_div", temperature_div, ("entropy+logprob",), temperature="/ 0.7"),
     Idiom("temperature_mul_reciprocal", temperature_mul_reciprocal, ("logprob",), temperature="* 1.43"),

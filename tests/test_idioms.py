@@ -110,8 +110,6 @@ DEFAULT_EXTRA = {
 CORE_BUGS = {
     "neg_cross_entropy_transposed": "core: rejected 'cross_entropy_loss output is not laid out over the "
                                     "region's rows' for cross_entropy(logits.transpose(1, 2), tokens)",
-    "entropy_no_grad_block": "core: region stops at the no_grad boundary, then is rejected: "
-                             "'log_softmax.int: its [rows, V] values are needed outside it'",
 }
 
 
@@ -176,6 +174,15 @@ def test_entropy_coefficient_decides_entropy_grad(coef, entropy_grad):
 def test_detached_entropy_keeps_no_grad(name):
     backend = run_parity(idioms.BY_NAME[name], "2d", 13, torch.float32, chunk_size=4)
     assert _keeps_grad_by_kind(backend) == {"logprob": [True], "entropy": [False]}
+
+
+def test_no_grad_block_needs_grad_flow_tags():
+    """Without tag_grad_flow_pass, an output computed under no_grad could get a gradient: declined."""
+    logits, tokens, extra = make_inputs("2d", 13, torch.float32)
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager", disable_passes=("tag_grad_flow_pass",))
+    torch.compile(idioms.BY_NAME["entropy_no_grad_block"].fn, backend=backend)(logits, tokens, **extra)
+    assert site_kinds(backend) == ()
+    assert any("tag_grad_flow_pass" in c.reason for r in backend.records for c in r.rejected)
 
 
 # ---- a temperature that becomes a runtime scalar -------------------------------------------------
