@@ -110,3 +110,41 @@ def size_hint(x) -> int:
             return int(node.hint)
         return int(node.shape_env.size_hint(node.expr))
     return int(x)
+
+
+# ---- per-chunk kernels (graphpass/joint.py) -----------------------------------------------------
+def symbolic_rows_mode(example_rows: int = 8):
+    """A fresh fake mode and one symbolic row count in it, for tracing per-chunk kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC])
+    seed = mode.from_tensor(torch.empty(example_rows), symbolic_context=context)
+    return mode, seed.shape[0]
+
+
+def trace_decomposed(fn, args) -> torch.fx.GraphModule:
+    """make_fx of `fn` on fake `args`, with the softmax family decomposed into max/sum/exp, so
+    that its row statistics are separate nodes a partition can save."""
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    table = get_decompositions([aten._log_softmax, aten._softmax, aten.logsumexp, aten._log_softmax_backward_data,
+                                aten._softmax_backward_data, aten.special_entr])
+    return make_fx(fn, decomposition_table=table)(*args)
+
+
+def check_no_guards_on(fake_mode, size) -> None:
+    """Raise if tracing specialised on a symbolic `size` (the kernel would be wrong for others)."""
+    symbol = size.node.expr
+    for guard in fake_mode.shape_env.guards:
+        if symbol in guard.expr.free_symbols:
+            raise RuntimeError(f"the per-chunk kernel specialises on the row count ({guard.expr})")
+
+
+def same_size(a, b) -> bool:
+    """Two sizes are the same int or the same symbolic expression (no guard is added)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return isinstance(a, int) and isinstance(b, int) and a == b
+    return a.node.expr == b.node.expr

@@ -3,9 +3,11 @@
 A `RegionProgram` is the region's math on one chunk of rows, in a canonical 2-D layout
 (`[rows, width]` tensors, `[1, width]` row-broadcast tensors, 0-d tensors for runtime scalars).
 The custom op `graphpass::rowwise_chunked(key, tensors, out_sizes)` runs a registered
-program chunk by chunk. Its forward saves only its inputs; its backward recomputes each chunk
-under `torch.func.vjp` and writes the chunk's gradient into one buffer of the input's dtype.
-Both per-chunk kernels are compiled by the inner compiler, dynamic in the row count.
+program chunk by chunk and returns its outputs followed by the row statistics its backward
+reads (`graphpass.joint`: e.g. each row's max and log-sum-exp, O(rows) bytes). It saves only
+its inputs and those statistics; its backward recomputes each chunk's wide values in one pass
+and writes the chunk's gradient straight into one buffer of the input's dtype. Both per-chunk
+kernels are compiled by the inner compiler, dynamic in the row count.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import torch
 
 from graphpass import _torch_api
+from graphpass.joint import ArgSpec, JointSplit
 
 # How an input tensor is laid out relative to the region's rows.
 WIDE = "wide"  # [*rows, V]: read through views, chunk by chunk; gradient buffer of its dtype
@@ -33,6 +36,7 @@ _TEMPORARIES_PER_CHUNK = 3
 class InputSpec:
     role: str
     width: int  # canonical width w (1 for SCALAR)
+    dtype: torch.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,10 @@ class RegionProgram:
         self.inner = inner
         self.index_checks = tuple(index_checks)  # (input position, ignore_index or None): token ids
         self.key = self._content_key()
+        self.split = JointSplit(graph_module, [_arg_spec(spec) for spec in self.inputs],
+                                differentiable_outputs=[j for j, o in enumerate(self.outputs) if o.keeps_grad],
+                                differentiable_inputs=[i for i, spec in enumerate(self.inputs)
+                                                       if spec.dtype.is_floating_point])
         self._forward_kernel = None
         self._backward_kernels: dict[tuple, object] = {}
 
@@ -89,9 +97,15 @@ class RegionProgram:
 
     # ---- fake ------------------------------------------------------------------------------
     def fake_outputs(self, tensors, out_sizes):
-        device = tensors[self.wide_input_positions[0]].device
-        return [torch.empty(shape, dtype=spec.dtype, device=device)
+        """Empty outputs (user shapes) followed by the saved row statistics ([rows, *tail])."""
+        wide = tensors[self.wide_input_positions[0]]
+        outs = [torch.empty(shape, dtype=spec.dtype, device=wide.device)
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
+        return outs + self.empty_saved(wide.numel() // wide.shape[-1], wide.device)
+
+    def empty_saved(self, rows, device):
+        """Empty buffers for the row statistics the forward saves for the backward."""
+        return [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device) for spec in self.split.saved]
 
     def _split_sizes(self, out_sizes):
         sizes, start = [], 0
@@ -147,10 +161,12 @@ class RegionProgram:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, tensors, out_sizes):
+        """The outputs in the user's shapes, then the saved row statistics."""
         rows, vocab, blocks = self._layout(tensors)
         self._check_token_ids(tensors, vocab)
         device = tensors[self.wide_input_positions[0]].device
         outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=device) for spec in self.outputs]
+        outs += self.empty_saved(rows, device)
         if rows:
             kernel = self._get_forward_kernel()
             chunk = self._chunk_rows(tensors, rows, vocab)
@@ -158,7 +174,8 @@ class RegionProgram:
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
                     for out, value in zip(outs, kernel(*args)):
                         out[sl] = value
-        return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))]
+        n = len(self.outputs)
+        return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))] + outs[n:]
 
     def _check_token_ids(self, tensors, vocab):
         """Raise a clear error for a token id outside [0, V), as eager does, never gather garbage."""
@@ -174,14 +191,17 @@ class RegionProgram:
 
     def _get_forward_kernel(self):
         if self._forward_kernel is None:
-            # Regenerate the module's code now, at run time: code generated while Dynamo was
-            # compiling the user's graph is on Dynamo's skip list and would not compile.
-            self.graph_module.recompile()
-            self._forward_kernel = _torch_api.compile_kernel(self.graph_module, self.inner)
+            self._forward_kernel = self._compile(self.split.forward)
         return self._forward_kernel
 
+    def _compile(self, graph_module):
+        # Regenerate the module's code now, at run time: code generated while Dynamo was
+        # compiling the user's graph is on Dynamo's skip list and would not compile.
+        graph_module.recompile()
+        return _torch_api.compile_kernel(graph_module, self.inner)
+
     # ---- backward ----------------------------------------------------------------------
-    def backward(self, tensors, needs_grad, grad_outputs):
+    def backward(self, tensors, saved, needs_grad, grad_outputs):
         """Gradients for `tensors` (None where not needed), recomputed chunk by chunk."""
         # An output whose incoming gradient is absent or all zero contributes nothing: skip
         # its recompute (this is how an entropy returned only for logging costs nothing here).
@@ -193,57 +213,37 @@ class RegionProgram:
             return grads
         rows, vocab, blocks = self._layout(tensors)
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
-        buffers = {}
-        for i in wanted:
-            t, spec = tensors[i], self.inputs[i]
-            if spec.role in (WIDE, ROW):
-                buffers[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            else:  # summed over chunks: accumulate in fp32
-                buffers[i] = torch.zeros(self._canonical(t, spec, rows).shape, dtype=torch.float32,
-                                         device=t.device)
+        # Per-row inputs get their gradient written in place, chunk by chunk, into one buffer of
+        # their dtype; a broadcast input's gradient is a sum over chunks, accumulated in fp32.
+        in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
+        summed = [i for i in wanted if i not in in_place]
+        for i in in_place:
+            grads[i] = torch.empty(tensors[i].shape, dtype=tensors[i].dtype, device=tensors[i].device)
+        flat_in_place = [grads[i].view(rows, -1) for i in in_place]
+        totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape, dtype=torch.float32,
+                              device=tensors[i].device) for i in summed]
         kernel = self._get_backward_kernel(active, wanted)
         chunk = self._chunk_rows(tensors, rows, vocab)
-        flat_buffers = {i: b.view(rows, -1) for i, b in buffers.items() if self.inputs[i].role in (WIDE, ROW)}
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
-            chunk_grads = kernel(*args, *[g[sl] for g in flat_grad_outputs])
-            for i, g in zip(wanted, chunk_grads):
-                if i in flat_buffers:
-                    flat_buffers[i][sl] = g
-                else:
-                    buffers[i] += g
-        for i in wanted:
-            grads[i] = buffers[i].reshape(tensors[i].shape).to(tensors[i].dtype)
+            chunk_sums = kernel(*args, *[s[sl] for s in saved], *[g[sl] for g in flat_grad_outputs],
+                                *[b[sl] for b in flat_in_place])
+            for total, g in zip(totals, chunk_sums):
+                total += g
+        for i, total in zip(summed, totals):
+            grads[i] = total.reshape(tensors[i].shape).to(tensors[i].dtype)
         return grads
 
     def _get_backward_kernel(self, active, wanted):
         key = (active, wanted)
         if key not in self._backward_kernels:
-            joint = _make_joint(self.graph_module, len(self.inputs), active, wanted,
-                                name=f"graphpass_{self.key}_backward_{len(self._backward_kernels)}")
-            self._backward_kernels[key] = _torch_api.compile_kernel(joint, self.inner)
+            self._backward_kernels[key] = self._compile(self.split.backward(active, wanted))
         return self._backward_kernels[key]
 
 
-def _make_joint(forward, n_tensors, active, wanted, *, name):
-    """The per-chunk backward: vjp of the chosen outputs with respect to the chosen inputs."""
-
-    def joint(*args):
-        tensors = list(args[:n_tensors])
-        grad_outputs = args[n_tensors:]
-
-        def selected_outputs(*primals):
-            for i, p in zip(wanted, primals):
-                tensors[i] = p
-            outs = forward(*tensors)
-            return tuple(outs[j] for j in active)
-
-        _, vjp = torch.func.vjp(selected_outputs, *[tensors[i] for i in wanted])
-        return vjp(tuple(grad_outputs))
-
-    # A fresh code object per kernel: Dynamo caches (and counts recompiles) per code object,
-    # so distinct programs never share a cache entry or eat each other's recompile budget.
-    joint.__code__ = joint.__code__.replace(co_name=name)
-    return joint
+def _arg_spec(spec: InputSpec) -> ArgSpec:
+    """How the joint trace sees one per-chunk argument."""
+    shape = {WIDE: (1, spec.width), ROW: (1, spec.width), BCAST: (1, spec.width), SCALAR: ()}[spec.role]
+    return ArgSpec(shape, spec.dtype, per_row=spec.role in (WIDE, ROW), wide=spec.role == WIDE)
 
 
 # ---- registry and the custom op ------------------------------------------------------------
@@ -276,26 +276,28 @@ def _(key, tensors, out_sizes):
 
 
 @torch.library.custom_op("graphpass::rowwise_chunked_backward", mutates_args=())
-def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor],
+def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor], saved: list[torch.Tensor],
                              grad_outputs: list[torch.Tensor | None], needs_grad: list[bool]) -> list[torch.Tensor]:
     """Gradients of the inputs flagged in `needs_grad`, in order; see `RegionProgram.backward`."""
-    grads = program(key).backward(tensors, needs_grad, grad_outputs)
+    grads = program(key).backward(tensors, saved, needs_grad, grad_outputs)
     return [torch.zeros_like(t) if g is None else g
             for t, g, need in zip(tensors, grads, needs_grad) if need]
 
 
 @rowwise_chunked_backward.register_fake
-def _(key, tensors, grad_outputs, needs_grad):
+def _(key, tensors, saved, grad_outputs, needs_grad):
     return [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
 
 
 def _setup_context(ctx, inputs, output):
     key, tensors, _ = inputs
     prog = program(key)
+    n = len(prog.outputs)
     ctx.key = key
+    ctx.n_outputs = n
     ctx.needs_grad = [t.requires_grad and t.is_floating_point() for t in tensors]
-    ctx.save_for_backward(*tensors)
-    forward_only = [o for o, spec in zip(output, prog.outputs) if not spec.keeps_grad]
+    ctx.save_for_backward(*tensors, *output[n:])
+    forward_only = [o for o, spec in zip(output, prog.outputs) if not spec.keeps_grad] + list(output[n:])
     if forward_only:
         ctx.mark_non_differentiable(*forward_only)
 
@@ -303,8 +305,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_outputs):
     # The backward is an op of its own, so that a compiler tracing this autograd formula sees
     # one opaque call rather than the chunk loop.
-    tensors = list(ctx.saved_tensors)
-    grads = iter(rowwise_chunked_backward(ctx.key, tensors, list(grad_outputs), ctx.needs_grad))
+    saved = list(ctx.saved_tensors)
+    tensors, stats = saved[:len(ctx.needs_grad)], saved[len(ctx.needs_grad):]
+    grads = iter(rowwise_chunked_backward(ctx.key, tensors, stats, list(grad_outputs[:ctx.n_outputs]),
+                                          ctx.needs_grad))
     per_input = [next(grads) if need else None for need in ctx.needs_grad]
     return None, per_input, None
 

@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpass import chunked_op, rowlocal
-from graphpass._torch_api import known_equal, stable_topological_sort
+from graphpass._torch_api import detect_fake_mode, known_equal, stable_topological_sort
 from graphpass.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.records import Candidate, OutputRecord, SiteRecord
 from graphpass.regions import Region, find_regions, source_of
@@ -65,16 +65,15 @@ def _input_spec(node, rows) -> InputSpec:
     if lay is None:
         raise RegionRejected(f"input {node.name} {tuple(val.shape)} neither spans nor broadcasts over the rows")
     if lay.kind == "bcast":
-        return InputSpec(SCALAR, 1) if val.ndim == 0 else InputSpec(BCAST, _static_width(lay.width))
-    return InputSpec(ROW if known_equal(lay.width, 1) else WIDE, _static_width(lay.width, allow_symbolic=True))
+        return InputSpec(SCALAR, 1, val.dtype) if val.ndim == 0 else InputSpec(BCAST, _static_width(lay.width), val.dtype)
+    return InputSpec(ROW if known_equal(lay.width, 1) else WIDE, _static_width(lay.width), val.dtype)
 
 
-def _static_width(width, allow_symbolic=False):
+def _static_width(width):
     if isinstance(width, int):
         return width
-    if allow_symbolic:
-        return -1  # a symbolic vocabulary: read from the tensor at run time
-    raise RegionRejected("a narrow width is symbolic")
+    # Per-chunk kernels are generated for one vocabulary size (vectorised over it).
+    raise RegionRejected(f"the width {width} along the vocabulary is symbolic")
 
 
 def _build_program(region: Region, config):
@@ -87,7 +86,7 @@ def _build_program(region: Region, config):
         elif isinstance(node.meta.get("val"), torch.SymFloat):
             # A runtime float (a temperature Dynamo lifted to an input) travels as a 0-d float64
             # tensor: the compiler can keep it a graph input, and it rounds like a Python float.
-            specs.append(InputSpec(SCALAR, 1))
+            specs.append(InputSpec(SCALAR, 1, torch.float64))
         else:
             raise RegionRejected(f"it reads {node.name}, a runtime value that is not a float")
         env[node] = graph.placeholder(f"in{len(input_nodes)}_{node.name}")
@@ -106,10 +105,13 @@ def _build_program(region: Region, config):
         keeps = bool(o.meta.get(GRAD_FLOWS, True))
         outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, keeps))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    program = RegionProgram(module, specs, outputs, chunk_size=config.chunk_size,
-                            chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
-                            index_checks=_index_checks(region, input_nodes))
-    _validate(program, [_as_tensor_val(n.meta["val"]) for n in input_nodes])
+    _validate(module, specs, outputs)
+    try:
+        program = RegionProgram(module, specs, outputs, chunk_size=config.chunk_size,
+                                chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
+                                index_checks=_index_checks(region, input_nodes))
+    except Exception as e:  # noqa: BLE001 - a program whose joint does not trace is not rewritten
+        raise RegionRejected(f"its per-chunk forward+backward does not trace: {type(e).__name__}: {e}") from None
     chunked_op.register(program)
     return program, input_nodes
 
@@ -127,27 +129,19 @@ def _index_checks(region, input_nodes):
     return checks
 
 
-def _validate(program: RegionProgram, input_vals):
+def _validate(module, inputs, outputs):
     """Run the per-chunk program on small fake chunks: shapes must come out as [rows, w]."""
     with FakeTensorMode():
-        args = []
-        for spec, val in zip(program.inputs, input_vals):
-            width = val.shape[-1] if spec.role == WIDE else spec.width
-            shape = {WIDE: (3, width), ROW: (3, spec.width), BCAST: (1, spec.width), SCALAR: ()}[spec.role]
-            if isinstance(width, torch.SymInt):
-                raise RegionRejected("symbolic vocabulary size")
-            args.append(torch.empty(shape, dtype=val.dtype))
+        shapes = {WIDE: (3,), ROW: (3,), BCAST: (1,), SCALAR: ()}
+        args = [torch.empty(shapes[spec.role] + ((spec.width,) if spec.role != SCALAR else ()), dtype=spec.dtype)
+                for spec in inputs]
         try:
-            outs = program.graph_module(*args)
+            outs = module(*args)
         except Exception as e:  # noqa: BLE001 - any failure means the emission is not valid here
             raise RegionRejected(f"per-chunk program does not trace: {type(e).__name__}: {e}") from None
-    for out, spec in zip(outs, program.outputs):
+    for out, spec in zip(outs, outputs):
         if tuple(out.shape) != (3, spec.width) or out.dtype != spec.dtype:
             raise RegionRejected(f"per-chunk output {tuple(out.shape)} {out.dtype} != (3, {spec.width}) {spec.dtype}")
-
-
-def _as_tensor_val(val):
-    return val if isinstance(val, torch.Tensor) else torch.empty((), dtype=torch.float64)
 
 
 def _size_node(graph, size, input_nodes):
@@ -180,7 +174,10 @@ def _replace(graph, region: Region, program, input_nodes):
                    graph.call_function(aten.scalar_tensor.default, (n,), {"dtype": torch.float64})
                    for n in input_nodes]
         op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
-        op.meta["val"] = [o.meta["val"] for o in region.outputs]
+        wide = input_nodes[program.wide_input_positions[0]].meta["val"]
+        with detect_fake_mode([wide]):
+            saved = program.empty_saved(wide.numel() // wide.shape[-1], wide.device)
+        op.meta["val"] = [o.meta["val"] for o in region.outputs] + saved
         if region.anchor.meta.get("stack_trace"):
             op.meta["stack_trace"] = region.anchor.meta["stack_trace"]
         op.meta["graphpass.program"] = program.key

@@ -1,0 +1,246 @@
+"""Per-chunk forward and backward kernels of a region program, split from one joint trace.
+
+The program's per-chunk math is traced together with its vector-Jacobian product (`make_fx`,
+rows symbolic, widths static, the softmax family decomposed into max / sum / exp). The joint
+graph is then split as a rematerializing partitioner would, with one policy: the forward keeps
+every *narrow* value the backward reads that it computed from a wide input (row statistics
+such as the max and the log-sum-exp, `[rows, w]` with w far below the vocabulary), and the
+backward recomputes everything wide from the inputs in one pass. So the backward never re-runs
+the forward's reductions, and what the op saves across forward and backward is O(rows).
+
+Two peephole rewrites keep each kernel a single fused pass (see `peephole`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from graphpass import _torch_api, peephole
+
+aten = torch.ops.aten
+
+# A value is narrow (worth saving instead of recomputing) when each row holds at most this
+# fraction of a wide input's row.
+_NARROW_FRACTION = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    """One per-chunk argument: `[rows, width]` if `per_row`, else its fixed shape."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    per_row: bool
+    wide: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedSpec:
+    """A row statistic the forward saves: per-row shape `tail` ([rows, *tail] in all) and dtype."""
+
+    tail: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class JointSplit:
+    """The forward kernel graph of a program and, per gradient pattern, its backward graph.
+
+    forward:  (args...) -> (outputs..., saved...)
+    backward(active, wanted): (args..., saved..., grad of each active output...,
+              out slice of each wanted per-row input...) -> (grad of each wanted fixed-shape input...)
+              writing each per-row input's gradient into its out slice.
+    """
+
+    def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs):
+        self.program = program
+        self.args = list(args)
+        self.n_outputs = None
+        self._ids = _StructuralIds()
+        full = self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs))
+        self.forward, self.saved, self._saved_ids = self._split_forward(full)
+
+    # ---- tracing -------------------------------------------------------------------------
+    def _trace(self, active, wanted) -> torch.fx.GraphModule:
+        """make_fx of (args, grads of active outputs) -> (all outputs..., grads of wanted args...)."""
+        program, n_args = self.program, len(self.args)
+
+        def joint(*flat):
+            primals, cotangents = list(flat[:n_args]), flat[n_args:]
+            if not (active and wanted):  # nothing to differentiate: the forward alone
+                return tuple(program(*primals))
+
+            def selected(*chosen):
+                full = list(primals)
+                for i, p in zip(wanted, chosen):
+                    full[i] = p
+                outs = program(*full)
+                return tuple(outs[j] for j in active), tuple(outs)
+
+            _, vjp, outs = torch.func.vjp(selected, *[primals[i] for i in wanted], has_aux=True)
+            return (*outs, *vjp(tuple(cotangents)))
+
+        fake_mode, rows = _torch_api.symbolic_rows_mode()
+        # Traced the same wherever it is first needed (inside autograd's backward, too).
+        with torch.inference_mode(False), torch.enable_grad(), fake_mode:
+            primals = [torch.empty((rows, *spec.shape[1:]) if spec.per_row else spec.shape, dtype=spec.dtype)
+                       for spec in self.args]
+            outs = program(*primals)
+            cotangents = [torch.empty_like(outs[j]) for j in active]
+            traced = _torch_api.trace_decomposed(joint, primals + cotangents)
+        _torch_api.check_no_guards_on(fake_mode, rows)
+        if self.n_outputs is None:
+            self.n_outputs = len(outs)
+        return traced
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _split_forward(self, joint: torch.fx.GraphModule):
+        graph = torch.fx.Graph()
+        env = {}
+        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders[:len(self.args)]):
+            env[node] = _placeholder(graph, f"arg{i}", node)
+        backward_nodes = _reachable_from(placeholders[len(self.args):])
+        results = _output_nodes(joint)
+        saved = self._values_to_save(joint, backward_nodes, results[self.n_outputs:])
+        for node in joint.graph.nodes:
+            if node.op == "call_function" and node not in backward_nodes:
+                env[node] = graph.node_copy(node, lambda a: env[a])
+        graph.output(tuple(env[n] for n in results[:self.n_outputs] + saved))
+        graph.eliminate_dead_code()
+        peephole.optimize(graph)
+        ids = self._ids.of_graph(joint.graph)
+        specs = [SavedSpec(tuple(n.meta["val"].shape[1:]), n.meta["val"].dtype) for n in saved]
+        self._saved_examples = saved
+        return torch.fx.GraphModule(torch.nn.Module(), graph), specs, {ids[n]: i for i, n in enumerate(saved)}
+
+    def _values_to_save(self, joint, backward_nodes, grads):
+        """The narrow values, computed from a wide input, that the backward would otherwise recompute.
+
+        Walks back from what the backward reads: a narrow value is saved (and its inputs are not
+        needed); anything else is recomputed, so its inputs are needed in turn.
+        """
+        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+        from_wide = _reachable_from([n for n, spec in zip(placeholders, self.args) if spec.wide])
+        widest = min(spec.shape[-1] for spec in self.args if spec.wide)
+        stack = [a for b in backward_nodes if b.op == "call_function"
+                 for a in b.all_input_nodes if a not in backward_nodes]
+        stack += [g for g in grads if isinstance(g, torch.fx.Node) and g not in backward_nodes]
+        saved, seen = set(), set()
+        while stack:
+            node = stack.pop()
+            if node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            if node in from_wide and _is_narrow(node, widest):
+                saved.add(node)
+            else:
+                stack.extend(node.all_input_nodes)
+        return [n for n in joint.graph.nodes if n in saved]
+
+    # ---- backward -----------------------------------------------------------------------------
+    def backward(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
+        """The backward graph for these active outputs and wanted inputs (see the class doc)."""
+        joint = self._trace(active, wanted)
+        ids = self._ids.of_graph(joint.graph)
+        graph = torch.fx.Graph()
+        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+        env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(placeholders[:len(self.args)])}
+        saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
+        env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, placeholders[len(self.args):])})
+        in_place = [i for i in wanted if self.args[i].per_row]
+        out_slices = {i: _placeholder(graph, f"grad_in{i}", placeholders[i]) for i in in_place}
+        backward_nodes = _reachable_from(placeholders[len(self.args):])
+        for node in joint.graph.nodes:
+            if node.op != "call_function":
+                continue
+            position = self._saved_ids.get(ids[node])
+            if position is not None and node not in backward_nodes:
+                env[node] = saved[position]  # the forward's value: skip recomputing it
+            else:
+                env[node] = graph.node_copy(node, lambda a: env[a])
+        grads = dict(zip(wanted, _output_nodes(joint)[self.n_outputs:]))
+        for i in in_place:
+            graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
+        graph.output(tuple(env[grads[i]] for i in wanted if i not in out_slices))
+        graph.eliminate_dead_code()
+        peephole.optimize(graph)
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _placeholder(graph, name, like):
+    """A placeholder carrying the example value of node `like`."""
+    node = graph.placeholder(name)
+    if "val" in like.meta:
+        node.meta["val"] = like.meta["val"]
+    return node
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list:
+    return list(gm.graph.output_node().args[0])
+
+
+def _reachable_from(nodes) -> set:
+    """`nodes` and every node that (transitively) reads one of them."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.users)
+    return seen
+
+
+def _is_narrow(node, widest: int) -> bool:
+    """A per-row tensor whose row is far smaller than a wide input's row."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.ndim == 0 or isinstance(val.shape[0], int):
+        return False  # rows are the one symbolic size: a static dim 0 is not per-row
+    tail = val.shape[1:]
+    return all(isinstance(s, int) for s in tail) and _prod(tail) * _NARROW_FRACTION <= widest
+
+
+def _prod(sizes) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
+
+
+class _StructuralIds:
+    """Numbers nodes by what they compute: equal ids in two traces of one program, equal values.
+
+    An id is the op plus the ids of its arguments (inputs by position), so a forward value of a
+    backward trace can be matched with the value the forward kernel saved, and only then reused.
+    """
+
+    def __init__(self):
+        self._table: dict = {}
+
+    def of_graph(self, graph: torch.fx.Graph) -> dict:
+        ids = {}
+        for position, node in enumerate(n for n in graph.nodes if n.op == "placeholder"):
+            ids[node] = self._intern(("input", position))
+        for node in graph.nodes:
+            if node.op == "call_function":
+                ids[node] = self._intern((node.target, _freeze(node.args, ids), _freeze(node.kwargs, ids)))
+        return ids
+
+    def _intern(self, key) -> int:
+        try:
+            return self._table.setdefault(key, len(self._table))
+        except TypeError:  # an unhashable constant: give it an id nothing else shares
+            self._table[object()] = len(self._table)
+            return len(self._table) - 1
+
+
+def _freeze(value, ids):
+    if isinstance(value, torch.fx.Node):
+        return ("node", ids[value])
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v, ids) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v, ids)) for k, v in value.items()))
+    return value

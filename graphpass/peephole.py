@@ -1,0 +1,109 @@
+"""Rewrites of per-chunk kernel graphs that keep each kernel one fused pass over the vocabulary.
+
+- gather through elementwise ops: `gather(f(a, b), -1, idx)` with `f` elementwise and `b` row-
+  broadcast becomes `f(gather(a, -1, idx), b)`, so the picked value is computed from the input at
+  the picked column instead of being read from a materialised `[rows, V]` intermediate::
+
+      gather(sub(div(x, t), lse), -1, idx)  ->  sub(div(gather(x, -1, idx), t), lse)
+
+- gather's backward as a select: `scatter_add(zeros[rows, V], -1, idx[rows, 1], g[rows, 1])`
+  becomes `where(arange(V) == idx, g, 0)`, a pointwise op that fuses with the rest of the
+  gradient instead of a zero-filled buffer and a scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graphpass._torch_api import same_size
+
+aten = torch.ops.aten
+
+
+def optimize(graph: torch.fx.Graph) -> None:
+    """Apply both rewrites in place; nodes they make unused are removed."""
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.gather.default:
+            _push_gather(graph, node)
+        elif node.target is aten.scatter_add.default:
+            _scatter_as_select(graph, node)
+    graph.eliminate_dead_code()
+
+
+# ---- gather through elementwise ops ---------------------------------------------------------------
+def _push_gather(graph, gather) -> None:
+    src, dim, index = gather.args[:3]
+    if gather.kwargs.get("sparse_grad") or not _is_last_dim(dim, src) or not _is_elementwise(src):
+        return
+    with graph.inserting_before(gather):
+        gather.replace_all_uses_with(_gathered(graph, src, dim, index))
+
+
+def _gathered(graph, src, dim, index):
+    """A node equal to gather(src, dim, index), pushed as far towards the inputs as it goes."""
+    if not _is_elementwise(src):
+        return graph.call_function(aten.gather.default, (src, dim, index))
+    shape = src.meta["val"].shape
+
+    def picked(arg):
+        if isinstance(arg, torch.fx.Node) and _same_shape(arg.meta["val"].shape, shape):
+            return _gathered(graph, arg, dim, index)
+        return arg
+
+    return graph.call_function(src.target, tuple(picked(a) for a in src.args), dict(src.kwargs))
+
+
+def _is_elementwise(node) -> bool:
+    """Elementwise in its tensor arguments, each either full-shape or constant along the last dim."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    cast = target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+    if not (pointwise or cast) or "val" not in node.meta:
+        return False
+    shape = node.meta["val"].shape
+    for arg in node.args:
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if isinstance(arg, torch.fx.Node) and not isinstance(val, torch.Tensor):
+            return False
+        if val is None or val.ndim == 0 or _same_shape(val.shape, shape):
+            continue
+        if not (val.ndim == len(shape) and val.shape[-1] == 1):
+            return False
+    return True
+
+
+# ---- gather's backward as a select ------------------------------------------------------------------
+def _scatter_as_select(graph, scatter) -> None:
+    base, dim, index, src = scatter.args[:4]
+    if not _is_zeros(base):
+        return
+    size, index_val = base.meta["val"].shape, index.meta.get("val")
+    if not (_is_last_dim(dim, base) and index_val is not None and index_val.shape[-1] == 1
+            and _same_shape(index_val.shape[:-1], size[:-1]) and isinstance(size[-1], int)):
+        return
+    with graph.inserting_before(scatter):
+        columns = graph.call_function(aten.arange.default, (size[-1],),
+                                      {"dtype": index_val.dtype, "device": index_val.device})
+        hit = graph.call_function(aten.eq.Tensor, (columns, index))
+        scatter.replace_all_uses_with(graph.call_function(aten.where.ScalarOther, (hit, src, 0)))
+
+
+def _is_zeros(node) -> bool:
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or "val" not in node.meta:
+        return False
+    if node.target is aten.full.default:
+        return node.args[1] == 0
+    return node.target in (aten.zeros.default, aten.new_zeros.default)
+
+
+def _is_last_dim(dim, node) -> bool:
+    return isinstance(node, torch.fx.Node) and "val" in node.meta and dim in (-1, node.meta["val"].ndim - 1)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
