@@ -14,7 +14,6 @@ differentiate through it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 
 import torch
@@ -76,7 +75,7 @@ _FINISHING_IF_ONLY_READER = {aten.detach.default, aten.alias.default}
 
 
 def _wide(layout, vocab) -> bool:
-    return layout is not None and layout.kind == "row" and known_equal(layout.width, vocab)
+    return layout is not None and layout.kind in (rowlocal.ROW, rowlocal.TRANSPOSED) and known_equal(layout.width, vocab)
 
 
 def _is_tensor_node(n) -> bool:
@@ -88,14 +87,13 @@ class _Grower:
 
     def __init__(self, anchor, modes, claimed):
         self.anchor, self.modes, self.claimed = anchor, modes, claimed
-        source = anchor.args[0].meta["val"]
-        self.rows = math.prod(source.shape[:-1])
-        self.vocabs = [source.shape[-1]]
+        self.rows, vocab = rowlocal.rows_and_vocab(anchor)
+        self.vocabs = [vocab]
         self.layouts: dict = {}
         self.nodes: set = set()
 
     def is_wide(self, node) -> bool:
-        lay = self.layouts.get(node) or rowlocal.layout_of(node.meta.get("val"), self.rows)
+        lay = self.layouts.get(node) or rowlocal.node_layout(node, self.rows)
         return any(_wide(lay, v) for v in self.vocabs)
 
     def try_add(self, node) -> str | None:
@@ -117,7 +115,10 @@ class _Grower:
             # A slice of the vocabulary (a padded vocab cut to size) is still wide; a one-wide
             # slice picks a column, like a gather (Categorical.log_prob's broadcast index).
             self.vocabs.append(val.shape[-1])
-        self.layouts[node] = rowlocal.layout_of(val[0] if isinstance(val, (tuple, list)) else val, self.rows)
+        if isinstance(val, (tuple, list)):
+            self.layouts[node] = rowlocal.layout_of(val[0], self.rows)
+        else:
+            self.layouts[node] = rowlocal.node_layout(node, self.rows)
         self.nodes.add(node)
         return None
 
@@ -223,12 +224,15 @@ def _finish(grower: _Grower, order, regions) -> str | None:
                 inputs.append(a)
     if not any(grower.is_wide(a) for a in inputs if _is_tensor_node(a)):
         return "it reads no [rows, V] input"
+    input_layouts = {a: rowlocal.node_layout(a, grower.rows) for a in inputs if _is_tensor_node(a)}
+    if any(lay is not None and lay.kind == rowlocal.TRANSPOSED for lay in input_layouts.values()):
+        # Its chunks are the chunks of the untransposed tensor, which only the region can see.
+        return "its transposed [rows, V] input is needed outside it"
     why = _grad_mode_conflict(nodes, outputs, grower.modes)
     if why is not None:
         return why
-    for a in inputs:  # views in the region read their source's layout
-        if _is_tensor_node(a):
-            grower.layouts.setdefault(a, rowlocal.layout_of(a.meta["val"], grower.rows))
+    for a, lay in input_layouts.items():  # views in the region read their source's layout
+        grower.layouts.setdefault(a, lay)
     grower.claimed.update(nodes)
     regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs))
     return None

@@ -4,6 +4,10 @@ A tensor in a region over R rows is either a *row* tensor (its leading dims flat
 with an optional trailing width: `[*rows]`, `[*rows, w]`) or a *broadcast* one (every row dim
 is 1). On one chunk of r rows, a row tensor is `[r, w]` and a broadcast tensor `[1, w]` or 0-d;
 each row-local op maps to the same op with its dim arguments pointed at the last dim.
+
+One more layout exists for the losses only: `x.transpose(1, 2)` of a `[B, S, V]` row tensor is a
+*transposed* `[B, V, S]` tensor, the class-dim-1 input that `cross_entropy`/`nll_loss` take. Its
+chunk is the `[r, V]` chunk of `x`, and nothing but those losses may read it.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where a tensor's rows are: `row` ([*rows] or [*rows, width]) or `bcast`."""
+    """Where a tensor's rows are: `row` ([*rows] or [*rows, width]), `bcast`, or `transposed`."""
 
     kind: str
     width: object  # int or SymInt
     row_dims: int  # how many leading dims index rows (tail present iff row_dims < ndim)
+
+
+ROW, BCAST, TRANSPOSED = "row", "bcast", "transposed"
 
 
 def layout_of(val, rows) -> Layout | None:
@@ -34,15 +41,43 @@ def layout_of(val, rows) -> Layout | None:
         return None
     shape = val.shape
     if len(shape) == 0:
-        return Layout("bcast", 1, 0)
+        return Layout(BCAST, 1, 0)
     lead = math.prod(shape[:-1]) if len(shape) > 1 else 1
     if known_equal(lead, rows):
-        return Layout("row", shape[-1], len(shape) - 1)
+        return Layout(ROW, shape[-1], len(shape) - 1)
     if known_equal(math.prod(shape), rows):
-        return Layout("row", 1, len(shape))
+        return Layout(ROW, 1, len(shape))
     if known_equal(lead, 1):
-        return Layout("bcast", shape[-1], len(shape) - 1)
+        return Layout(BCAST, shape[-1], len(shape) - 1)
     return None
+
+
+def _is_vocab_to_dim1(node, rows) -> bool:
+    """True if `node` is `x.transpose(1, 2)` of a `[B, S, V]` row tensor `x` (rows = B * S)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is not aten.transpose.int:
+        return False
+    src = _val(node.args[0])
+    if not isinstance(src, torch.Tensor) or src.ndim != 3:
+        return False
+    # Only 3-D: for more dims, swapping 1 and -1 would also reorder the row dims.
+    src_layout = layout_of(src, rows)
+    return (sorted(d % 3 for d in node.args[1:3]) == [1, 2] and src_layout is not None
+            and src_layout.kind == ROW and src_layout.row_dims == 2)
+
+
+def node_layout(node, rows) -> Layout | None:
+    """`layout_of` a node's value, recognising a transposed loss input (see the module docstring)."""
+    if _is_vocab_to_dim1(node, rows):
+        return Layout(TRANSPOSED, node.meta["val"].shape[1], 2)
+    return layout_of(_val(node), rows)
+
+
+def rows_and_vocab(anchor):
+    """(rows, V) of a region started at `anchor`: V is the last dim, or for a loss the class dim 1."""
+    shape = _val(anchor.args[0]).shape
+    if anchor.target in _NLL and len(shape) >= 3:
+        return shape[0] * math.prod(shape[2:]), shape[1]
+    return math.prod(shape[:-1]), shape[-1]
 
 
 # ---- op families ------------------------------------------------------------------------
@@ -140,6 +175,12 @@ def check(node, rows, layouts: dict) -> str | None:
     target = node.target
     if node.op != "call_function":
         return f"{node.op} is not an op"
+    if target is aten.transpose.int:
+        return None if _is_vocab_to_dim1(node, rows) else "transpose moves the rows"
+    for a in node.all_input_nodes:
+        # A transposed value's rows are not its leading dims: only a loss may read it, as input.
+        if _is_vocab_to_dim1(a, rows) and not (target in _NLL and a is node.args[0]):
+            return f"{_name(node)} reads a transposed [rows, V] value"
     if target is operator.getitem:
         return None if node.args[0] in layouts else "getitem of a value outside the region"
     val = node.meta.get("val")
@@ -155,8 +196,8 @@ def check(node, rows, layouts: dict) -> str | None:
                 return f"{_name(node)} broadcasts {a.name} across rows"
         return None
     first = node.args[0] if node.args else None
-    in_layout = layouts.get(first) or layout_of(_val(first), rows)
-    if in_layout is None or in_layout.kind != "row":
+    in_layout = layouts.get(first) or node_layout(first, rows)
+    if in_layout is None or in_layout.kind not in (ROW, TRANSPOSED):
         return f"{_name(node)} input is not laid out over the rows"
     ndim = _val(first).ndim
     has_tail = in_layout.row_dims < ndim
@@ -187,8 +228,9 @@ def check(node, rows, layouts: dict) -> str | None:
     if target in _NLL:
         target_val = _val(kw.get("target"))
         weight = kw.get("weight")
-        if ndim != 2 or kw.get("reduction") != 0 or target_val is None or target_val.ndim != 1:
-            return f"{_name(node)} is not per-token ([N, V] logits, reduction='none')"
+        if (ndim != 2 and in_layout.kind != TRANSPOSED) or kw.get("reduction") != 0 or target_val is None \
+                or target_val.ndim != ndim - 1:
+            return f"{_name(node)} is not per-token ([N, V] or transposed [B, V, S] logits, reduction='none')"
         if weight is not None and _val(weight).ndim != 1:
             return f"{_name(node)} has a weight that is not per-class"
         return None
@@ -214,6 +256,8 @@ def emit(graph: torch.fx.Graph, node, env, layouts):
 
     if target is operator.getitem:
         return graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
+    if target is aten.transpose.int:
+        return env[node.args[0]]  # a chunk already has V last, as the losses read it here
     if is_pointwise(target):
         return graph.call_function(target, arg(node.args), arg(node.kwargs))
     source = node.args[0]

@@ -113,6 +113,11 @@ def neg_cross_entropy_transposed(logits, tokens, adv, old_logp, **_):
     return (ppo_loss(logp, old_logp, adv), *_stats(logp))
 
 
+def neg_nll_loss_transposed(logits, tokens, adv, old_logp, **_):
+    logp = -F.nll_loss(F.log_softmax(logits, -1).transpose(1, 2), tokens, reduction="none")
+    return (ppo_loss(logp, old_logp, adv), *_stats(logp))
+
+
 def neg_nll_loss(logits, tokens, adv, old_logp, **_):
     V = logits.shape[-1]
     lp = F.log_softmax(logits.reshape(-1, V), -1)
@@ -267,6 +272,13 @@ def python_chunk_loop(logits, tokens, adv, old_logp, ent_coef=0.01, **_):
 # ---- must not match ------------------------------------------------------------------------------
 
 
+def transposed_logits_used_elsewhere(logits, tokens, adv, old_logp, **_):
+    # The transposed logits are also read outside the loss, where a chunk cannot stand in for them.
+    xt = logits.transpose(1, 2)
+    logp = -F.cross_entropy(xt, tokens, reduction="none")
+    return (ppo_loss(logp, old_logp, adv) + 1e-3 * xt.float().pow(2).mean(), *_stats(logp))
+
+
 def sampled_token_p_log_p(logits, tokens, adv, old_logp, **_):
     # -p(y) log p(y) of the sampled token only: a "bonus" that is NOT the entropy.
     logp = _logp(logits, tokens)
@@ -293,6 +305,7 @@ IDIOMS: list[Idiom] = [
     Idiom("neg_cross_entropy", neg_cross_entropy, ("logprob",)),
     Idiom("neg_cross_entropy_transposed", neg_cross_entropy_transposed, ("logprob",), layouts=("3d",)),
     Idiom("neg_nll_loss", neg_nll_loss, ("logprob",)),
+    Idiom("neg_nll_loss_transposed", neg_nll_loss_transposed, ("logprob",), layouts=("3d",)),
     Idiom("gather_minus_logsumexp", gather_minus_logsumexp, ("logprob",)),
     Idiom("entropy_logsumexp_minus_expected_logit", entropy_logsumexp_minus_expected_logit, ("entropy+logprob",), alternatives=(SEPARATE,)),
     Idiom("entropy_neg_sum_p_log_p", entropy_neg_sum_p_log_p, ("entropy+logprob",), alternatives=(SEPARATE,)),
@@ -316,6 +329,8 @@ IDIOMS: list[Idiom] = [
     Idiom("sampled_token_p_log_p", sampled_token_p_log_p, ("logprob+rowwise",),
           alternatives=(("logprob",),), forbidden_kinds=("entropy",)),
     Idiom("no_softmax", no_softmax, ()),
+    Idiom("transposed_logits_used_elsewhere", transposed_logits_used_elsewhere, (), layouts=("3d",),
+          alternatives=(("logprob",),)),
 ]
 
 BY_NAME = {i.name: i for i in IDIOMS}
