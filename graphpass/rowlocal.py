@@ -264,7 +264,8 @@ def emit(graph: torch.fx.Graph, node, env, layouts):
     if target in _VIEWS:
         if known_equal(layouts[source].width, layouts[node].width):
             return env[source]
-        return graph.call_function(aten.expand.default, (env[source], [-1, _static(layouts[node].width)]))
+        width = _width_in_chunk(graph, layouts[node].width, env, layouts)
+        return graph.call_function(aten.expand.default, (env[source], [-1, width]))
     kw = normalized_args(node)
     if target in _REDUCTIONS:
         kw.update(dim=[-1], keepdim=True)
@@ -298,5 +299,14 @@ def _call(graph, target, kw):
     return graph.call_function(target, tuple(args), kwargs)
 
 
-def _static(width):
-    return width if isinstance(width, int) else -1
+def _width_in_chunk(graph, width, env, layouts):
+    """`width` as an int, or for a symbolic width the last size of a chunk tensor that has it.
+
+    (-1 in `expand` would keep a width-1 dim at 1, not broadcast it to the symbolic width.)
+    """
+    if isinstance(width, int):
+        return width
+    for n, lay in layouts.items():
+        if n in env and isinstance(_val(n), torch.Tensor) and lay is not None and known_equal(lay.width, width):
+            return graph.call_function(aten.sym_size.int, (env[n], -1))
+    raise ValueError(f"graphpass: no tensor in the region has the width {width}")
