@@ -192,7 +192,12 @@ def check(node, rows, layouts: dict) -> str | None:
     tensor_args = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
     if is_pointwise(target):
         for a in tensor_args:
-            if operand_role(_val(a), outs[0], out_layout) is None:
+            role = operand_role(_val(a), outs[0], out_layout)
+            # A [V] operand when R == V: broadcast along V here, but its layout (how it is
+            # chunked) says one value per row.
+            lay = layouts.get(a) or node_layout(a, rows)
+            mismatched = role == BCAST and lay is not None and lay.kind == ROW and not known_equal(rows, 1)
+            if role is None or mismatched:
                 return f"{_name(node)} broadcasts {a.name} across rows"
         return None
     first = node.args[0] if node.args else None

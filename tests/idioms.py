@@ -130,6 +130,13 @@ def gather_minus_logsumexp(logits, tokens, adv, old_logp, **_):
     return (ppo_loss(logp, old_logp, adv), *_stats(logp))
 
 
+def per_vocab_bias(logits, tokens, adv, old_logp, **_):
+    # A [V] logit bias broadcasts along the vocabulary, also when there are exactly V rows.
+    bias = torch.linspace(-1.0, 1.0, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    logp = F.log_softmax(logits - bias, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return (ppo_loss(logp, old_logp, adv), *_stats(logp))
+
+
 # ---- entropy spellings (each next to a log-prob, as in a real PPO loss) ---------------------------
 
 
@@ -307,6 +314,7 @@ IDIOMS: list[Idiom] = [
     Idiom("neg_nll_loss", neg_nll_loss, ("logprob",)),
     Idiom("neg_nll_loss_transposed", neg_nll_loss_transposed, ("logprob",), layouts=("3d",)),
     Idiom("gather_minus_logsumexp", gather_minus_logsumexp, ("logprob",)),
+    Idiom("per_vocab_bias", per_vocab_bias, ("logprob",)),
     Idiom("entropy_logsumexp_minus_expected_logit", entropy_logsumexp_minus_expected_logit, ("entropy+logprob",), alternatives=(SEPARATE,)),
     Idiom("entropy_neg_sum_p_log_p", entropy_neg_sum_p_log_p, ("entropy+logprob",), alternatives=(SEPARATE,)),
     Idiom("entropy_shared_log_softmax", entropy_shared_log_softmax, ("entropy+logprob",)),

@@ -150,6 +150,12 @@ def test_sequence_as_long_as_vocab(name):
     run_parity(idioms.BY_NAME[name], "3d", 13, torch.float32, chunk_size=4, shape=(2, V, V))
 
 
+@pytest.mark.parametrize("name", ["per_vocab_bias", "top_p_masked_fill"])
+def test_rows_as_many_as_vocab(name):
+    """[V, V] logits: a [V] operand still broadcasts along the vocabulary, not along the rows."""
+    run_parity(idioms.BY_NAME[name], "2d", 13, torch.float32, chunk_size=4, shape=(V, V))
+
+
 def test_chunk_size_chosen_at_run_time():
     run_parity(idioms.BY_NAME["entropy_shared_log_softmax"], "2d", 13, torch.float32, chunk_size=None)
 
