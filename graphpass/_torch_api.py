@@ -84,10 +84,15 @@ def compile_kernel(fn, inner: str):
     compiled = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True)
 
     def run(*args):
+        # Kernels run below autograd, as a custom op's body does. Detached arguments and a fixed
+        # dispatch state keep what Dynamo guards on (requires_grad, dispatch keys) the same on
+        # every call; the op's first call sees different ones, and would cost a recompile.
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         for a in args:
             if isinstance(a, torch.Tensor) and a.ndim == 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return compiled(*args)
 
     return run
 

@@ -28,8 +28,10 @@ BCAST = "bcast"  # the same for every row ([w], [1, ..., 1, w]): reshaped to [1,
 SCALAR = "scalar"  # a 0-d tensor
 ROLES = (WIDE, ROW, BCAST, SCALAR)
 
-# fp32 [chunk, V] temporaries alive at once in a fused per-chunk kernel (exp, softmax, grad).
-_TEMPORARIES_PER_CHUNK = 3
+# fp32 [chunk, V] temporaries alive at once while a chunk's kernel runs. Inductor fuses each
+# kernel into passes over the vocabulary that keep nothing wide (the gradient is written in
+# place); run op by op, about three wide values are alive at once (e.g. exp, product, gradient).
+_TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,7 @@ class RegionProgram:
 
     def workspace_bytes(self, rows: int, vocab: int) -> int:
         """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs."""
-        return _TEMPORARIES_PER_CHUNK * self.rows_per_chunk(rows, vocab) * vocab * 4
+        return _TEMPORARIES_PER_CHUNK[self.inner] * self.rows_per_chunk(rows, vocab) * vocab * 4
 
     # ---- fake ------------------------------------------------------------------------------
     def fake_outputs(self, tensors, out_sizes):

@@ -1,0 +1,124 @@
+"""graphpass.joint and graphpass.peephole: the per-chunk kernels, checked on tiny programs.
+
+The forward must save only narrow row statistics, the backward must not redo the forward's
+reductions, and both graphs together must give the same values and gradients as autograd
+on the program itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphpass.joint import ArgSpec, JointSplit
+
+aten = torch.ops.aten
+V = 50
+
+
+class LogprobEntropy(torch.nn.Module):
+    """log-prob of the picked token and entropy, at a temperature, from bf16/fp32 logits."""
+
+    def forward(self, logits, index):
+        logp = torch.log_softmax(logits.float() / 0.7, -1)
+        return logp.gather(-1, index), -(logp.exp() * logp).sum(-1, keepdim=True)
+
+
+class ScaledLogsumexp(torch.nn.Module):
+    """A broadcast [1, V] weight and a 0-d scale that need gradients too."""
+
+    def forward(self, logits, weight, scale):
+        return (torch.logsumexp(logits * weight, -1, keepdim=True) * scale,)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _split(module, args, keeps=None):
+    specs = [ArgSpec(tuple(a.shape), a.dtype, per_row=a.ndim == 2 and a.shape[0] != 1,
+                     wide=a.ndim == 2 and a.shape[-1] == V and a.shape[0] != 1) for a in args]
+    outs = module(*args)
+    keeps = range(len(outs)) if keeps is None else keeps
+    return JointSplit(torch.fx.symbolic_trace(module), specs, list(keeps),
+                      [i for i, a in enumerate(args) if a.dtype.is_floating_point])
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _run_split(split, args, grad_outputs, active, wanted):
+    """Forward then backward graphs, eagerly; per-row gradients come back through out slices."""
+    results = split.forward(*args)
+    outs, saved = results[:split.n_outputs], results[split.n_outputs:]
+    slices = {i: torch.empty_like(args[i]) for i in wanted if split.args[i].per_row}
+    summed = iter(split.backward(active, wanted)(*args, *saved, *grad_outputs, *slices.values()))
+    return outs, saved, [slices[i] if i in slices else next(summed) for i in wanted]
+
+
+def test_forward_saves_row_statistics_and_backward_does_not_reduce_them_again():
+    args = [torch.randn(6, V), torch.randint(0, V, (6, 1))]
+    split = _split(LogprobEntropy(), args)
+    assert [s.tail for s in split.saved] == [(1,), (1,)]  # the row max and log-sum-exp
+    backward = split.backward((0,), (0,))
+    assert aten.amax.default not in _targets(backward)
+    assert aten.log.default not in _targets(backward)
+
+
+def test_gather_reads_the_input_and_its_backward_is_a_select():
+    args = [torch.randn(6, V), torch.randint(0, V, (6, 1))]
+    split = _split(LogprobEntropy(), args)
+    gathers = [n for n in split.forward.graph.nodes if n.target is aten.gather.default]
+    assert len(gathers) == 1 and gathers[0].args[0].op == "placeholder"
+    backward = _targets(split.backward((0, 1), (0,)))
+    assert aten.scatter_add.default not in backward and aten.where.ScalarOther in backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("active", [(0,), (1,), (0, 1)])
+def test_split_matches_autograd(dtype, active):
+    logits = torch.randn(7, V).to(dtype)
+    logits[2, :10] = float("-inf")  # a top-p style mask
+    index = torch.randint(10, V, (7, 1))
+    module = LogprobEntropy()
+    split = _split(module, [logits, index])
+    grad_outputs = [torch.randn(7, 1) for _ in active]
+    outs, _, grads = _run_split(split, [logits, index], grad_outputs, active, (0,))
+
+    ref_outs = module(logits, index)
+    # Only the active outputs are differentiated, as autograd does for a loss that uses only them
+    # (a zero cotangent through a masked row's nan entropy would make the gradient nan).
+    _, vjp = torch.func.vjp(lambda x: tuple(module(x, index)[j] for j in active), logits)
+    ref_grad, = vjp(tuple(grad_outputs))
+    # A masked row's entropy is nan in eager too (0 * -inf), so nan must match nan.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    tol["equal_nan"] = True
+    for out, ref in zip(outs, ref_outs):
+        torch.testing.assert_close(out, ref, **tol)
+    assert grads[0].dtype == dtype
+    torch.testing.assert_close(grads[0], ref_grad, **tol)
+
+
+def test_broadcast_and_scalar_inputs_get_summed_gradients():
+    args = [torch.randn(5, V), torch.rand(1, V) + 0.5, torch.tensor(1.5, dtype=torch.float64)]
+    module = ScaledLogsumexp()
+    split = _split(module, args)
+    grad_output = torch.randn(5, 1)
+    outs, _, grads = _run_split(split, args, [grad_output], (0,), (0, 1, 2))
+
+    ref_outs, vjp = torch.func.vjp(module, *args)
+    for got, ref in zip([*outs, *grads], [*ref_outs, *vjp((grad_output,))]):
+        # The broadcast gradients are sums over rows, in another order than autograd's.
+        torch.testing.assert_close(got, ref.to(got.dtype), atol=1e-5, rtol=1e-4)
+
+
+def test_kernels_are_generic_in_the_row_count():
+    args = [torch.randn(6, V), torch.randint(0, V, (6, 1))]
+    split = _split(LogprobEntropy(), args)
+    for rows in (1, 3, 11):
+        x, index = torch.randn(rows, V), torch.randint(0, V, (rows, 1))
+        outs, saved, _ = _run_split(split, [x, index], [torch.ones(rows, 1)], (0,), (0,))
+        assert outs[0].shape == (rows, 1) and all(s.shape == (rows, 1) for s in saved)
+        torch.testing.assert_close(outs[0], LogprobEntropy()(x, index)[0])
