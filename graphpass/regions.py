@@ -22,9 +22,12 @@ from graphpass import rowlocal
 from graphpass._torch_api import known_equal
 from graphpass.records import Candidate
 
+aten = torch.ops.aten
+
 #: node.meta key: True iff the node requires grad and a gradient from the graph outputs reaches
 #: it (set by passes.tag_grad_flow).
 GRAD_FLOWS = "graphpass.grad_flows"
+
 
 @dataclasses.dataclass
 class Region:
@@ -61,8 +64,6 @@ def source_of(node: torch.fx.Node) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
-aten = torch.ops.aten
-
 #: Narrow ops that finish a quantity: a sign flip, views, casts.
 _FINISHING = {
     aten.neg.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
@@ -75,7 +76,8 @@ _FINISHING_IF_ONLY_READER = {aten.detach.default, aten.alias.default}
 
 
 def _wide(layout, vocab) -> bool:
-    return layout is not None and layout.kind in (rowlocal.ROW, rowlocal.TRANSPOSED) and known_equal(layout.width, vocab)
+    return (layout is not None and layout.kind in (rowlocal.ROW, rowlocal.TRANSPOSED)
+            and known_equal(layout.width, vocab))
 
 
 def _is_tensor_node(n) -> bool:
