@@ -153,3 +153,18 @@ def same_size(a, b) -> bool:
     if isinstance(a, int) or isinstance(b, int):
         return isinstance(a, int) and isinstance(b, int) and a == b
     return a.node.expr == b.node.expr
+
+
+def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node) -> torch.fx.Node:
+    """A node holding the runtime float `scalar` (a SymFloat) as a 0-d float64 tensor.
+
+    Spelled `scalar_tensor(1.0) * scalar` because AOTAutograd's tensorify pass turns a float
+    input back into tensor math only through ops it knows (mul, add, ...); a float it did not
+    tensorify is specialised, and then every new value (a new temperature) would recompile.
+    """
+    one = graph.call_function(torch.ops.aten.scalar_tensor.default, (1.0,), {"dtype": torch.float64})
+    node = graph.call_function(torch.ops.aten.mul.Tensor, (one, scalar))
+    with detect_fake_mode([scalar.meta["val"]]):
+        one.meta["val"] = torch.empty((), dtype=torch.float64)
+        node.meta["val"] = torch.empty((), dtype=torch.float64)
+    return node

@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpass import chunked_op, rowlocal
-from graphpass._torch_api import detect_fake_mode, known_equal, stable_topological_sort
+from graphpass._torch_api import detect_fake_mode, float64_tensor_node, known_equal, stable_topological_sort
 from graphpass.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.records import Candidate, OutputRecord, SiteRecord
 from graphpass.regions import Region, find_regions, source_of
@@ -170,9 +170,7 @@ def _replace(graph, region: Region, program, input_nodes):
     inside = set(region.nodes)
     with graph.inserting_before(region.nodes[-1].next):
         sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
-        tensors = [n if isinstance(n.meta["val"], torch.Tensor) else
-                   graph.call_function(aten.scalar_tensor.default, (n,), {"dtype": torch.float64})
-                   for n in input_nodes]
+        tensors = [n if isinstance(n.meta["val"], torch.Tensor) else float64_tensor_node(graph, n) for n in input_nodes]
         op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
         wide = input_nodes[program.wide_input_positions[0]].meta["val"]
         with detect_fake_mode([wide]):

@@ -206,10 +206,10 @@ def test_ten_sequence_lengths_cost_at_most_two_compilations():
     assert all(len(r.sites) == 1 for r in backend.records)
 
 
-def test_runtime_temperature_is_applied_exactly():
+def test_runtime_temperature_is_applied_exactly_without_a_recompile_per_value():
     backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
     compiled = torch.compile(logprob_entropy, backend=backend)
-    for temperature in (0.7, 0.5, 1.3):
+    for temperature in (0.7, 0.5, 1.3, 0.9):
         logits, tokens = _inputs(9)
         ref_logits = logits.detach().clone().requires_grad_()
         out = compiled(logits, tokens, temperature=temperature)
@@ -218,6 +218,8 @@ def test_runtime_temperature_is_applied_exactly():
         ref[0].backward()
         torch.testing.assert_close(out[1], ref[1])
         torch.testing.assert_close(logits.grad, ref_logits.grad)
+    # As with any backend: the first value is baked in, the second makes it a graph input.
+    assert len(backend.records) == 2
     assert all(len(r.sites) == 1 for r in backend.records)
 
 
