@@ -1,7 +1,8 @@
 """Run one (workload, method, shape, dtype) in a fresh process and measure it.
 
-Parent side: `run_isolated(spec)` starts `python -m bench.harness --worker SPEC` with a timeout and
-returns the worker's JSON result. Worker side: build inputs, warm up (compile), then per timed
+Parent side: `run_isolated(spec)` forks a worker from a server that has imported torch and the
+compilers once, with a timeout, and returns the worker's result (`python -m bench.harness --worker
+SPEC` runs one by hand). Worker side: build inputs, warm up (compile), then per timed
 step measure the peak bytes above the pre-step baseline and the wall time, then compare the last
 step's loss and logits.grad with an eager fp32 reference.
 """
@@ -15,7 +16,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +41,14 @@ class Spec:
     """Timed steps stop once they would exceed this (at least `min_steps` run)."""
     min_steps: int = 2
     reference: bool = True
+    reference_cache: str | None = None
+    """A directory where the eager reference of this configuration is kept for the next method."""
     seed: int = 0
+
+    @property
+    def reference_key(self) -> str:
+        """What the eager reference depends on (not the method)."""
+        return f"{self.workload}_T{self.T}_V{self.V}_{self.dtype}_{self.device}_seed{self.seed}"
 
     @property
     def floor_bytes(self) -> int:
@@ -58,41 +65,78 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Parent side -------------------------------------------------------------------------------------
 
 
+# Modules every worker needs: importing torch, Dynamo and inductor costs ~10 s per process on a
+# small CPU, so a fork server imports them once and each worker is forked from it.
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "graphpass.backend", "bench.methods")
+_server = None
+
+
+def _fork_server():
+    """The multiprocessing context whose fork server has PRELOAD imported (started on first use)."""
+    global _server
+    if _server is None:
+        import multiprocessing
+
+        # Read by glibc when the fork server starts, so every worker inherits it. A fixed mmap
+        # threshold keeps glibc from serving freed multi-MiB tensors out of its heap (its dynamic
+        # threshold grows up to 32 MiB), where they would stay resident and inflate RSS at small
+        # shapes; every buffer >= 1 MiB is then mapped on allocation and unmapped on free.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
+        _server = multiprocessing.get_context("forkserver")
+        _server.set_forkserver_preload(list(PRELOAD))
+    return _server
+
+
 def run_isolated(spec: Spec, timeout_s: float, cold_compile: bool = False) -> dict:
-    """Run `spec` in its own interpreter; a timeout or crash becomes a result with that status.
+    """Run `spec` in its own process; a timeout or crash becomes a result with that status.
 
     `cold_compile` gives the worker an empty inductor cache, so its first call compiles from scratch.
     """
     import tempfile
 
-    from bench.methods import METHODS
-
-    method = METHODS[spec.method]
-    env = {**os.environ, **dict(method.env)}
-    env.setdefault("PYTHONPATH", str(REPO))
-    # A fixed mmap threshold keeps glibc from serving freed multi-MiB tensors out of its heap
-    # (its dynamic threshold grows up to 32 MiB), where they would stay resident and inflate RSS
-    # at small shapes; every buffer >= 1 MiB is then mapped on allocation and unmapped on free.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
-    if cold_compile:
-        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_inductor_")
-    cmd = [sys.executable, "-m", "bench.harness", "--worker", json.dumps(dataclasses.asdict(spec))]
     base = dict(dataclasses.asdict(spec), floor_bytes=spec.floor_bytes)
-    # Own session, so a timeout also kills inductor's compile-worker grandchildren.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    base.pop("reference_cache")
+    context = _fork_server()
+    receive, send = context.Pipe(duplex=False)
+    with tempfile.NamedTemporaryFile(prefix="bench_worker_", suffix=".log") as log:
+        worker = context.Process(target=_forked_worker, args=(spec, cold_compile, log.name, send))
+        worker.start()
+        send.close()
+        try:
+            if receive.poll(timeout_s):
+                return dict(base, **receive.recv())
+            status, why = "timeout", f"killed after {timeout_s:.0f} s"
+        except EOFError:  # the worker died without a result
+            worker.join()
+            status = "error"
+            why = ("killed by SIGKILL (out of memory?)" if worker.exitcode == -signal.SIGKILL
+                   else f"exit {worker.exitcode}")
+        finally:
+            _kill_group(worker)
+        tail = " | ".join(Path(log.name).read_text(errors="replace").strip().splitlines()[-3:])
+    return dict(base, status=status, note=f"{why}: {tail}"[:500] if status == "error" else why)
+
+
+def _kill_group(worker) -> None:
+    """Kill the worker and its children (inductor's compile workers), which share its session."""
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return dict(base, status="timeout", note=f"killed after {timeout_s:.0f} s")
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_TAG):
-            return dict(base, **json.loads(line[len(RESULT_TAG):]))
-    why = "killed by SIGKILL (out of memory?)" if proc.returncode == -signal.SIGKILL else f"exit {proc.returncode}"
-    tail = " | ".join(err.strip().splitlines()[-3:])
-    return dict(base, status="error", note=f"{why}: {tail}"[:500])
+        os.killpg(worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    worker.join()
+
+
+def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send) -> None:
+    """Worker body in a fresh fork: own session, output to `log_path`, result through `send`."""
+    import tempfile
+
+    os.setsid()
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    if cold_compile:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_inductor_")
+    send.send(_measure_or_error(spec))
 
 
 def machine_description() -> str:
@@ -227,7 +271,9 @@ def measure(spec: Spec) -> dict:
         loss.backward()
         meter.sync()
 
-    first_call_s = _timed(step, spec.device)  # the warm-up; includes compilation for compiled methods
+    # A compiled method's first call compiles: it is the warm-up, timed apart. An eager method has
+    # nothing to warm up, so its first call is already a measured step.
+    first_call_s = _timed(step, spec.device) if method.compiled else None
     times, peaks = [], []
     while len(times) < spec.min_steps or (
         len(times) < spec.steps and sum(times) + statistics.median(times) <= spec.time_budget_s
@@ -237,6 +283,8 @@ def measure(spec: Spec) -> dict:
         baseline = meter.reset()
         times.append(_timed(step, spec.device))
         peaks.append(meter.peak())
+    if first_call_s is None:
+        first_call_s = times[0]
     result = dict(
         status="ok",
         peak_bytes=max(peaks),
@@ -253,16 +301,20 @@ def measure(spec: Spec) -> dict:
     if spec.reference:
         grad, loss_value = logits.grad.detach(), float(loss)
         loss = None
-        result.update(workloads.reference_diffs(workload, batch, loss_value, grad))
+        cache = os.path.join(spec.reference_cache, spec.reference_key + ".pt") if spec.reference_cache else None
+        result.update(workloads.reference_diffs(workload, batch, loss_value, grad, cache))
     return result
 
 
-def _worker_main(spec_json: str):
-    spec = Spec(**json.loads(spec_json))
+def _measure_or_error(spec: Spec) -> dict:
     try:
-        result = measure(spec)
+        return measure(spec)
     except Exception as exc:  # reported to the parent as a result, not a crash
-        result = dict(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
+        return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _worker_main(spec_json: str):
+    result = _measure_or_error(Spec(**json.loads(spec_json)))
     sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
     sys.stdout.flush()
 

@@ -13,14 +13,14 @@ from bench import workloads
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """One way to run a workload's loss; `env` is set in the worker before torch is imported."""
+    """One way to run a workload's loss; `inductor_config` is set in the worker before it compiles."""
 
     name: str
     description: str
     compiled: bool = False
     chunked_loop: bool = False
     backend: str | None = None
-    env: tuple[tuple[str, str], ...] = ()
+    inductor_config: tuple[tuple[str, object], ...] = ()
 
     def build(self, workload: workloads.Workload) -> tuple[Callable, Callable[[], dict]]:
         """The step function and a callback returning notes about what the method did."""
@@ -28,6 +28,11 @@ class Method:
         fn = workload.loss_fn(lp_ent)
         if not self.compiled:
             return fn, dict
+        if self.inductor_config:
+            import torch._inductor.config as config
+
+            for key, value in self.inductor_config:
+                setattr(config, key, value)
         backend = _graphpass_backend() if self.backend == "graphpass" else self.backend
         return torch.compile(fn, backend=backend), lambda: _compile_notes(backend)
 
@@ -86,9 +91,10 @@ METHODS = {
     for m in (
         Method("eager", "plain PyTorch, no compile"),
         Method("inductor", "torch.compile, default inductor", compiled=True, backend="inductor"),
-        # The knob exists under this name in torch 2.13 (torch/_inductor/config.py, auto_chunker.enable).
+        # What TORCHINDUCTOR_AUTO_CHUNKER=1 sets (torch/_inductor/config.py in torch 2.13); set here
+        # because the worker's inductor config was imported before the worker existed.
         Method("autochunk", "inductor + TORCHINDUCTOR_AUTO_CHUNKER=1", compiled=True, backend="inductor",
-               env=(("TORCHINDUCTOR_AUTO_CHUNKER", "1"),)),
+               inductor_config=(("auto_chunker.enable", True),)),
         Method("chunked", f"hand-written chunk loop ({workloads.SLIME_CHUNK} rows), eager autograd",
                chunked_loop=True),
         Method("graphpass", "torch.compile(backend=graphpass.Backend())", compiled=True, backend="graphpass"),

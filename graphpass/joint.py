@@ -14,6 +14,7 @@ Two peephole rewrites keep each kernel a single fused pass (see `peephole`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx
@@ -59,8 +60,7 @@ class JointSplit:
         self.args = list(args)
         self.n_outputs = None
         self._ids = _StructuralIds()
-        full = self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs))
-        self.forward, self.saved, self._saved_ids = self._split_forward(full)
+        self._split_forward(self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs)))
 
     # ---- tracing -------------------------------------------------------------------------
     def _trace(self, active, wanted) -> torch.fx.GraphModule:
@@ -96,7 +96,8 @@ class JointSplit:
         return traced
 
     # ---- forward ------------------------------------------------------------------------------
-    def _split_forward(self, joint: torch.fx.GraphModule):
+    def _split_forward(self, joint: torch.fx.GraphModule) -> None:
+        """Set `forward` (the joint's forward part, returning the saved values too) and `saved`."""
         graph = torch.fx.Graph()
         env = {}
         placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
@@ -111,10 +112,11 @@ class JointSplit:
         graph.output(tuple(env[n] for n in results[:self.n_outputs] + saved))
         graph.eliminate_dead_code()
         peephole.optimize(graph)
-        ids = self._ids.of_graph(joint.graph)
-        specs = [SavedSpec(tuple(n.meta["val"].shape[1:]), n.meta["val"].dtype) for n in saved]
+        self.forward = torch.fx.GraphModule(torch.nn.Module(), graph)
+        self.saved = [SavedSpec(tuple(n.meta["val"].shape[1:]), n.meta["val"].dtype) for n in saved]
         self._saved_examples = saved
-        return torch.fx.GraphModule(torch.nn.Module(), graph), specs, {ids[n]: i for i, n in enumerate(saved)}
+        ids = self._ids.of_graph(joint.graph)
+        self._saved_ids = {ids[n]: i for i, n in enumerate(saved)}  # structural id -> saved position
 
     def _values_to_save(self, joint, backward_nodes, grads):
         """The narrow values, computed from a wide input, that the backward would otherwise recompute.
@@ -124,7 +126,7 @@ class JointSplit:
         """
         placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
         from_wide = _reachable_from([n for n, spec in zip(placeholders, self.args) if spec.wide])
-        widest = min(spec.shape[-1] for spec in self.args if spec.wide)
+        vocab = min(spec.shape[-1] for spec in self.args if spec.wide)
         stack = [a for b in backward_nodes if b.op == "call_function"
                  for a in b.all_input_nodes if a not in backward_nodes]
         stack += [g for g in grads if isinstance(g, torch.fx.Node) and g not in backward_nodes]
@@ -134,7 +136,7 @@ class JointSplit:
             if node in seen or node.op != "call_function":
                 continue
             seen.add(node)
-            if node in from_wide and _is_narrow(node, widest):
+            if node in from_wide and _is_narrow(node, vocab):
                 saved.add(node)
             else:
                 stack.extend(node.all_input_nodes)
@@ -193,20 +195,13 @@ def _reachable_from(nodes) -> set:
     return seen
 
 
-def _is_narrow(node, widest: int) -> bool:
+def _is_narrow(node, vocab: int) -> bool:
     """A per-row tensor whose row is far smaller than a wide input's row."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.ndim == 0 or isinstance(val.shape[0], int):
         return False  # rows are the one symbolic size: a static dim 0 is not per-row
     tail = val.shape[1:]
-    return all(isinstance(s, int) for s in tail) and _prod(tail) * _NARROW_FRACTION <= widest
-
-
-def _prod(sizes) -> int:
-    out = 1
-    for s in sizes:
-        out *= s
-    return out
+    return all(isinstance(s, int) for s in tail) and math.prod(tail) * _NARROW_FRACTION <= vocab
 
 
 class _StructuralIds:
