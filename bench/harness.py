@@ -302,7 +302,10 @@ def measure(spec: Spec) -> dict:
         grad, loss_value = logits.grad.detach(), float(loss)
         loss = None
         cache = os.path.join(spec.reference_cache, spec.reference_key + ".pt") if spec.reference_cache else None
-        result.update(workloads.reference_diffs(workload, batch, loss_value, grad, cache))
+        if spec.method == "eager" and spec.dtype == "fp32":  # it is the reference: no second computation
+            result.update(workloads.eager_fp32_as_reference(batch, loss_value, grad, cache))
+        else:
+            result.update(workloads.reference_diffs(workload, batch, loss_value, grad, cache))
     return result
 
 

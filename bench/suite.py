@@ -52,7 +52,7 @@ def plan(args) -> list[Spec]:
     specs += [Spec(w, m, T, V, args.dtypes[0], **common)
               for w in variants if w != MAIN_WORKLOAD for m in args.methods]
     # Big configurations: one step costs up to tens of seconds on a small CPU, so time fewer of them.
-    return sorted((dataclasses.replace(s, min_steps=1) if s.T * s.V >= 2**29 else s for s in specs),
+    return sorted((dataclasses.replace(s, min_steps=1) if s.T * s.V >= 2**27 else s for s in specs),
                   key=lambda s: (s.workload != MAIN_WORKLOAD, s.T * s.V))
 
 
@@ -173,8 +173,8 @@ def parse_args(argv=None):
                    help=f"other workloads at T,V={VARIANT_SHAPE}: some={VARIANTS}, all=every combination")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=5, help="most timed steps per configuration")
-    p.add_argument("--step-budget", type=float, default=10,
-                   help="seconds of timed steps per configuration (at least 2 steps; 1 from 2^29 elements)")
+    p.add_argument("--step-budget", type=float, default=5,
+                   help="seconds of timed steps per configuration (at least 2 steps; 1 from 2^27 elements)")
     p.add_argument("--mem-limit-gib", type=float, default=None,
                    help="predicted resident bytes above this are not run (default: 80%% of RAM / GPU memory)")
     p.add_argument("--cold-compile", action="store_true",

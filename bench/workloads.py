@@ -140,6 +140,19 @@ def reference_diffs(workload: Workload, batch: dict, loss: float, grad: torch.Te
         ref = reference(workload, batch)
         if cache:
             torch.save(ref, cache)
+    return _diffs(ref, loss, grad)
+
+
+def eager_fp32_as_reference(batch: dict, loss: float, grad: torch.Tensor, cache: str | None) -> dict:
+    """The eager method on fp32 logits computes the reference itself: keep its rows, compare."""
+    ref = dict(loss=loss, grads={start: grad[start:start + rows].clone()
+                                 for start, rows in _grad_blocks(*batch["logits"].shape)})
+    if cache:
+        torch.save(ref, cache)
+    return _diffs(ref, loss, grad)
+
+
+def _diffs(ref: dict, loss: float, grad: torch.Tensor) -> dict:
     grad_diff = max((float((grad[start:start + g.shape[0]].float() - g).abs().max()) for start, g in ref["grads"].items()),
                     default=0.0)
     return dict(ref_loss=ref["loss"], loss_diff=abs(loss - ref["loss"]), grad_diff=grad_diff,
@@ -158,13 +171,12 @@ def reference(workload: Workload, batch: dict, budget_bytes: int = 2**30, grad_b
     to bound the time spent (gradient rows are independent, so a sample checks the same code path).
     """
     T, V = batch["logits"].shape
-    rows = max(1, min(T, budget_bytes // (V * 4 * 6)))  # ~6 fp32 [rows, V] buffers in eager backward
-    starts = list(range(0, T, rows))
-    grad_starts = set(starts[: grad_blocks // 2] + starts[-(grad_blocks // 2):]) if len(starts) > grad_blocks else set(starts)
+    rows = _block_rows(T, V, budget_bytes)
+    grad_starts = {start for start, _ in _grad_blocks(T, V, budget_bytes, grad_blocks)}
     fn = workload.loss_fn(logprob_entropy)
     n = batch["mask"].sum().clamp(min=1).double()
     ref_loss, grads = 0.0, {}
-    for start in starts:
+    for start in range(0, T, rows):
         sl = slice(start, start + rows)
         with_grad = start in grad_starts
         x = batch["logits"][sl].detach().float().requires_grad_(with_grad)
@@ -177,3 +189,16 @@ def reference(workload: Workload, batch: dict, budget_bytes: int = 2**30, grad_b
             block_loss.backward()
             grads[start] = x.grad
     return dict(loss=ref_loss, grads=grads)
+
+
+def _block_rows(T: int, V: int, budget_bytes: int = 2**30) -> int:
+    return max(1, min(T, budget_bytes // (V * 4 * 6)))  # ~6 fp32 [rows, V] buffers in eager backward
+
+
+def _grad_blocks(T: int, V: int, budget_bytes: int = 2**30, grad_blocks: int = 2) -> list[tuple[int, int]]:
+    """(first row, rows) of the blocks whose gradient the reference keeps: all, or the first and last."""
+    rows = _block_rows(T, V, budget_bytes)
+    starts = list(range(0, T, rows))
+    if len(starts) > grad_blocks:
+        starts = sorted(set(starts[: grad_blocks // 2] + starts[-(grad_blocks // 2):]))
+    return [(start, min(rows, T - start)) for start in starts]
