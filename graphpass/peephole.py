@@ -38,6 +38,10 @@ def _push_gather(graph, gather) -> None:
     src, dim, index = gather.args[:3]
     if gather.kwargs.get("sparse_grad") or not _is_last_dim(dim, src) or not _is_elementwise(src):
         return
+    # gather allows an index with fewer rows than its source; pushed down, that would broadcast.
+    index_val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+    if index_val is None or not _same_shape(index_val.shape[:-1], src.meta["val"].shape[:-1]):
+        return
     with graph.inserting_before(gather):
         gather.replace_all_uses_with(_gathered(graph, src, dim, index))
 
@@ -61,7 +65,8 @@ def _is_elementwise(node) -> bool:
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
     target = node.target
-    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    pointwise = (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+                 and torch.Tag.nondeterministic_seeded not in target.tags)  # a random op must not move
     cast = target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
     if not (pointwise or cast) or "val" not in node.meta:
         return False
