@@ -40,8 +40,8 @@ def main():
     grad_diff = (logits.grad.float() - reference.grad.float()).abs().max().item()
     print(f"loss {loss.item():.6f} (eager {expected.item():.6f}); max |grad - eager grad| = {grad_diff:.2e}")
     site = backend.records[0].sites[0]
-    print(f"rewrote {site.kind} at {site.source}: "
-          f"{', '.join(f'{o.kind} grad {'kept' if o.keeps_grad else 'dropped'}' for o in site.outputs)}")
+    grads = ", ".join(f"{o.kind} grad {'kept' if o.keeps_grad else 'dropped'}" for o in site.outputs)
+    print(f"rewrote {site.kind} at {site.source}: {grads}")
 
 
 if __name__ == "__main__":
