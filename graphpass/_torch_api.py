@@ -155,8 +155,9 @@ def same_size(a, b) -> bool:
     return a.node.expr == b.node.expr
 
 
-def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node) -> torch.fx.Node:
-    """A node holding the runtime float `scalar` (a SymFloat) as a 0-d float64 tensor.
+def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node, fake_mode) -> torch.fx.Node:
+    """A node holding the runtime float `scalar` (a SymFloat) as a 0-d float64 tensor; `fake_mode`
+    is the graph's, for the new nodes' example values.
 
     Spelled `scalar_tensor(1.0) * scalar` because AOTAutograd's tensorify pass turns a float
     input back into tensor math only through ops it knows (mul, add, ...); a float it did not
@@ -164,7 +165,7 @@ def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node) -> torch.f
     """
     one = graph.call_function(torch.ops.aten.scalar_tensor.default, (1.0,), {"dtype": torch.float64})
     node = graph.call_function(torch.ops.aten.mul.Tensor, (one, scalar))
-    with detect_fake_mode([scalar.meta["val"]]):
+    with fake_mode:
         one.meta["val"] = torch.empty((), dtype=torch.float64)
         node.meta["val"] = torch.empty((), dtype=torch.float64)
     return node

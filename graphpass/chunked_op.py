@@ -103,11 +103,12 @@ class RegionProgram:
         wide = tensors[self.wide_input_positions[0]]
         outs = [torch.empty(shape, dtype=spec.dtype, device=wide.device)
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
-        return outs + self.empty_saved(wide.numel() // wide.shape[-1], wide.device)
+        return outs + self.empty_saved(wide)
 
-    def empty_saved(self, rows, device):
-        """Empty buffers for the row statistics the forward saves for the backward."""
-        return [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device) for spec in self.split.saved]
+    def empty_saved(self, wide):
+        """Empty buffers, one row per row of the wide input `wide`, for the saved row statistics."""
+        rows = wide.numel() // wide.shape[-1]
+        return [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=wide.device) for spec in self.split.saved]
 
     def _split_sizes(self, out_sizes):
         sizes, start = [], 0
@@ -166,9 +167,9 @@ class RegionProgram:
         """The outputs in the user's shapes, then the saved row statistics."""
         rows, vocab, blocks = self._layout(tensors)
         self._check_token_ids(tensors, vocab)
-        device = tensors[self.wide_input_positions[0]].device
-        outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=device) for spec in self.outputs]
-        outs += self.empty_saved(rows, device)
+        wide = tensors[self.wide_input_positions[0]]
+        outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=wide.device) for spec in self.outputs]
+        outs += self.empty_saved(wide)
         if rows:
             kernel = self._get_forward_kernel()
             chunk = self._chunk_rows(tensors, rows, vocab)

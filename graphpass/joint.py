@@ -58,7 +58,7 @@ class JointSplit:
     def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs):
         self.program = program
         self.args = list(args)
-        self.n_outputs = None
+        self.n_outputs = len(program.graph.output_node().args[0])
         self._ids = _StructuralIds()
         self._split_forward(self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs)))
 
@@ -91,19 +91,22 @@ class JointSplit:
             cotangents = [torch.empty_like(outs[j]) for j in active]
             traced = _torch_api.trace_decomposed(joint, primals + cotangents)
         _torch_api.check_no_guards_on(fake_mode, rows)
-        if self.n_outputs is None:
-            self.n_outputs = len(outs)
         return traced
+
+    def _placeholders(self, joint: torch.fx.GraphModule) -> tuple[list, list]:
+        """The joint's inputs: (one per program argument, one per active output's gradient)."""
+        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+        return placeholders[:len(self.args)], placeholders[len(self.args):]
 
     # ---- forward ------------------------------------------------------------------------------
     def _split_forward(self, joint: torch.fx.GraphModule) -> None:
         """Set `forward` (the joint's forward part, returning the saved values too) and `saved`."""
         graph = torch.fx.Graph()
         env = {}
-        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-        for i, node in enumerate(placeholders[:len(self.args)]):
+        primals, cotangents = self._placeholders(joint)
+        for i, node in enumerate(primals):
             env[node] = _placeholder(graph, f"arg{i}", node)
-        backward_nodes = _reachable_from(placeholders[len(self.args):])
+        backward_nodes = _reachable_from(cotangents)
         results = _output_nodes(joint)
         saved = self._values_to_save(joint, backward_nodes, results[self.n_outputs:])
         for node in joint.graph.nodes:
@@ -124,8 +127,8 @@ class JointSplit:
         Walks back from what the backward reads: a narrow value is saved (and its inputs are not
         needed); anything else is recomputed, so its inputs are needed in turn.
         """
-        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-        from_wide = _reachable_from([n for n, spec in zip(placeholders, self.args) if spec.wide])
+        primals, _ = self._placeholders(joint)
+        from_wide = _reachable_from([n for n, spec in zip(primals, self.args) if spec.wide])
         vocab = min(spec.shape[-1] for spec in self.args if spec.wide)
         stack = [a for b in backward_nodes if b.op == "call_function"
                  for a in b.all_input_nodes if a not in backward_nodes]
@@ -148,13 +151,13 @@ class JointSplit:
         joint = self._trace(active, wanted)
         ids = self._ids.of_graph(joint.graph)
         graph = torch.fx.Graph()
-        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-        env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(placeholders[:len(self.args)])}
+        primals, cotangents = self._placeholders(joint)
+        env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(primals)}
         saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
-        env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, placeholders[len(self.args):])})
+        env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, cotangents)})
         in_place = [i for i in wanted if self.args[i].per_row]
-        out_slices = {i: _placeholder(graph, f"grad_in{i}", placeholders[i]) for i in in_place}
-        backward_nodes = _reachable_from(placeholders[len(self.args):])
+        out_slices = {i: _placeholder(graph, f"grad_in{i}", primals[i]) for i in in_place}
+        backward_nodes = _reachable_from(cotangents)
         for node in joint.graph.nodes:
             if node.op != "call_function":
                 continue

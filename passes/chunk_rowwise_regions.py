@@ -170,12 +170,13 @@ def _replace(graph, region: Region, program, input_nodes):
     inside = set(region.nodes)
     with graph.inserting_before(region.nodes[-1].next):
         sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
-        tensors = [n if isinstance(n.meta["val"], torch.Tensor) else float64_tensor_node(graph, n) for n in input_nodes]
-        op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
         wide = input_nodes[program.wide_input_positions[0]].meta["val"]
-        with detect_fake_mode([wide]):
-            saved = program.empty_saved(wide.numel() // wide.shape[-1], wide.device)
-        op.meta["val"] = [o.meta["val"] for o in region.outputs] + saved
+        fake_mode = detect_fake_mode([wide])
+        tensors = [n if isinstance(n.meta["val"], torch.Tensor) else float64_tensor_node(graph, n, fake_mode)
+                   for n in input_nodes]
+        op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
+        with fake_mode:
+            op.meta["val"] = [o.meta["val"] for o in region.outputs] + program.empty_saved(wide)
         if region.anchor.meta.get("stack_trace"):
             op.meta["stack_trace"] = region.anchor.meta["stack_trace"]
         op.meta["graphpass.program"] = program.key
