@@ -27,7 +27,11 @@ def fakify_inputs(example_inputs):
 
 
 def capture_pre_dispatch(gm: torch.fx.GraphModule, example_inputs) -> tuple[torch.fx.GraphModule, list]:
-    """Retrace a Dynamo graph into pre-dispatch ATen ops (grad-mode changes kept as nodes)."""
+    """Retrace a Dynamo graph into pre-dispatch ATen ops (grad-mode changes kept as nodes).
+
+    Not functional and higher-order ops inlined: only for reporting a graph that
+    `graphpass.capture` cannot model, never for analysis.
+    """
     fake_mode, fakes = fakify_inputs(example_inputs)
     # Running through an Interpreter under preserve_node_meta carries each Dynamo node's
     # stack trace onto the ATen nodes it becomes, so sites can name the user's source line.
@@ -169,3 +173,22 @@ def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node, fake_mode)
         one.meta["val"] = torch.empty((), dtype=torch.float64)
         node.meta["val"] = torch.empty((), dtype=torch.float64)
     return node
+
+
+# ---- capture (graphpass/capture.py) ---------------------------------------------------------------
+def export_functional(gm: torch.fx.GraphModule, fakes):
+    """AOTAutograd's functional export of `gm` on `fakes`: (ATen graph, signature).
+
+    pre_dispatch keeps `_set_grad_enabled` as nodes; preserve_node_meta carries each Dynamo node's
+    stack trace onto the ATen nodes it becomes.
+    """
+    from torch._functorch.aot_autograd import aot_export_module
+
+    with fx_traceback.preserve_node_meta():
+        return aot_export_module(gm, fakes, trace_joint=False, pre_dispatch=True)
+
+
+def inlinable_hops() -> tuple:
+    """Higher-order ops that mean their body: checkpoint (changes only what autograd saves), wrap."""
+    hop = torch.ops.higher_order
+    return tuple(getattr(hop, name) for name in ("tag_activation_checkpoint", "wrap") if hasattr(hop, name))

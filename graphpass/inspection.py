@@ -13,7 +13,9 @@ import re
 import torch
 
 from graphpass import _torch_api, memory, report
+from graphpass.capture import capture as capture_graph
 from graphpass.config import Config
+from graphpass.pipeline import RewriteResult, rewrite_graph
 from graphpass.records import GraphRecord
 
 # Header that makes a dumped graph importable (`python -c "import graph0.after.x"` or runpy).
@@ -55,28 +57,25 @@ class _Dumper:
 
 
 def _rewrite(gm, example_inputs, config, record, on_stage):
-    """The core's rewrite; without it (or when it fails) the graph is reported unchanged."""
-    try:
-        from graphpass.pipeline import RewriteResult, rewrite_graph
-    except Exception as e:  # the core is optional for reports: capture only
-        before, fakes = _torch_api.capture_pre_dispatch(gm, example_inputs)
-        on_stage("captured", "capture", before)
-        record.fallback_reason = f"graphpass.pipeline unavailable: {type(e).__name__}: {e}"
-        return _Result(before, before, fakes, record)
+    """The core's rewrite; when it fails the graph is reported unchanged."""
     try:
         return rewrite_graph(gm, example_inputs, config, record, on_stage=on_stage)
     except Exception as e:
         if config.strict:
             raise
-        before, fakes = _torch_api.capture_pre_dispatch(gm, example_inputs)
         record.fallback_reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         record.sites.clear()
+        before, fakes = _unchanged(gm, example_inputs)
         return RewriteResult(before, before, fakes, record)
 
 
-class _Result:
-    def __init__(self, before, after, fake_inputs, record):
-        self.before, self.after, self.fake_inputs, self.record = before, after, fake_inputs, record
+def _unchanged(gm, example_inputs):
+    """The graph as it will run unchanged, as ATen ops for the memory model."""
+    try:
+        captured = capture_graph(gm, example_inputs)
+        return captured.gm, captured.fakes
+    except Exception:  # noqa: BLE001 - capture cannot model it: the plain pre-dispatch trace
+        return _torch_api.capture_pre_dispatch(gm, example_inputs)
 
 
 def capture(fn, args, kwargs, config: Config, dump_dir: str | None = None) -> list:

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from graphpass import _torch_api
+from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
 from passes import chunk_rowwise_regions_pass, tag_grad_flow_pass
@@ -37,7 +37,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
     `on_stage(stage, pass_name, gm)` is called with the graph after capture and after each pass
     (for dumps).
     """
-    before, fakes = _torch_api.capture_pre_dispatch(gm, example_inputs)
+    captured = capture(gm, example_inputs)
+    before, fakes = captured.gm, captured.fakes
     if on_stage:
         on_stage("captured", "capture", before)
     after = _copy(before)  # `before` stays intact for reports and the memory model
@@ -57,7 +58,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
         if on_stage:
             on_stage("after", name, after)
     after.graph.eliminate_dead_code()
-    after.recompile()
+    after = captured.restore(after)
     record.graph_module, record.example_inputs = after, fakes
     return RewriteResult(before, after, fakes, record)
 

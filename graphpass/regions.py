@@ -39,6 +39,7 @@ class Region:
     layouts: dict
     inputs: list[torch.fx.Node]  # outside nodes the region reads (tensors and sym scalars)
     outputs: list[torch.fx.Node]  # region nodes used outside it (narrow)
+    place: torch.fx.Node  # the chunked op goes right after this region node
 
 
 def grad_modes(graph: torch.fx.Graph) -> dict:
@@ -230,32 +231,41 @@ def _finish(grower: _Grower, order, regions) -> str | None:
     if any(lay is not None and lay.kind == rowlocal.TRANSPOSED for lay in input_layouts.values()):
         # Its chunks are the chunks of the untransposed tensor, which only the region can see.
         return "its transposed [rows, V] input is needed outside it"
-    why = _grad_mode_conflict(nodes, outputs, grower.modes)
+    place = _place(nodes, grower.modes)
+    if any(order[a] > order[place] for a in inputs):
+        return "it reads a value computed after its last grad-mode op"
+    why = _grad_mode_conflict(nodes, outputs, place, grower.modes)
     if why is not None:
         return why
     for a, lay in input_layouts.items():  # views in the region read their source's layout
         grower.layouts.setdefault(a, lay)
     grower.claimed.update(nodes)
-    regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs))
+    regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs, place))
     return None
 
 
-def _grad_mode_conflict(nodes, outputs, modes) -> str | None:
-    """Why the chunked op, placed where the region's last node is, would change grad mode.
+def _place(nodes, modes) -> torch.fx.Node:
+    """Where the chunked op goes: after the region's last node, or, when the region ends in a
+    no_grad block (an entropy logged from the log_softmax a log-prob needs grad through), after
+    its last node computed with grad, so the op runs with grad."""
+    with_grad = [n for n in nodes if modes[n]]
+    return with_grad[-1] if with_grad else nodes[-1]
+
+
+def _grad_mode_conflict(nodes, outputs, place, modes) -> str | None:
+    """Why the chunked op, placed after `place`, would change grad mode.
 
     The op runs in the mode at that place. With grad on there, an output computed under no_grad
     must be known not to carry a gradient (the op then marks it non-differentiable). Readers of
     its outputs that sit before that place are moved after the op; they must not change mode.
     """
-    last, inside = nodes[-1], set(nodes)
-    if not modes[last] and any(modes[n] for n in nodes):
-        return "it ends inside a no_grad block"
-    if modes[last] and any(not modes[o] and o.meta.get(GRAD_FLOWS) is not False for o in outputs):
+    inside = set(nodes)
+    if modes[place] and any(not modes[o] and o.meta.get(GRAD_FLOWS) is not False for o in outputs):
         return "an output computed under no_grad is not tagged gradient-free (tag_grad_flow_pass)"
     moved, node = set(), nodes[0]
-    while node is not last:
+    while node is not place:
         if node not in inside and any(a in inside or a in moved for a in node.all_input_nodes):
-            if modes[node] != modes[last]:
+            if modes[node] != modes[place]:
                 return "a reader of its outputs runs in another grad mode before the region ends"
             moved.add(node)
         node = node.next

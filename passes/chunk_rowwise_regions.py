@@ -168,7 +168,7 @@ def _size_node(graph, size, input_nodes):
 
 def _replace(graph, region: Region, program, input_nodes):
     inside = set(region.nodes)
-    with graph.inserting_before(region.nodes[-1].next):
+    with graph.inserting_before(region.place.next):
         sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
         wide = input_nodes[program.wide_input_positions[0]].meta["val"]
         fake_mode = detect_fake_mode([wide])

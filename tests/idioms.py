@@ -192,7 +192,7 @@ def entropy_no_grad_block(logits, tokens, adv, old_logp, **_):
 
 
 def entropy_no_grad_block_last(logits, tokens, adv, old_logp, **_):
-    # The region would end inside the no_grad block, where the chunked op would lose logp's grad.
+    # The region ends inside the no_grad block: the op must run where grad is on.
     lp = F.log_softmax(logits, -1)
     logp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     loss = ppo_loss(logp, old_logp, adv)
@@ -323,9 +323,9 @@ IDIOMS: list[Idiom] = [
     Idiom("entropy_detached", entropy_detached, ("entropy+logprob",)),
     Idiom("entropy_no_grad_block", entropy_no_grad_block, ("logprob", "entropy"),
           alternatives=(("entropy+logprob",),)),
-    # Declined for now (grad mode would change); the alternatives are the ideal answers.
-    Idiom("entropy_no_grad_block_last", entropy_no_grad_block_last, (),
-          alternatives=(("entropy+logprob",), SEPARATE)),
+    # The op goes after the log-prob's last op, where grad is on; the entropy is forward-only.
+    Idiom("entropy_no_grad_block_last", entropy_no_grad_block_last, ("entropy+logprob",),
+          alternatives=(SEPARATE,)),
     Idiom("no_grad_probs_weight_log_probs", no_grad_probs_weight_log_probs, (), forbidden_kinds=("entropy",)),
     Idiom("no_grad_weight_from_logprob", no_grad_weight_from_logprob, (), alternatives=(("entropy+logprob",),)),
     Idiom("float_upcast", float_upcast, ("entropy+logprob",)),

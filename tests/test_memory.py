@@ -10,6 +10,8 @@ import types
 
 import pytest
 import torch
+
+from graphpass.capture import capture
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpass import _torch_api, memory
@@ -34,7 +36,8 @@ def capture_before(fn, *args, **kwargs):
     captured = []
 
     def backend(gm, example_inputs):
-        captured.append(_torch_api.capture_pre_dispatch(gm, example_inputs))
+        c = capture(gm, example_inputs)
+        captured.append((c.gm, c.fakes))
         return gm.forward
 
     torch.compile(fn, backend=backend)(*args, **kwargs)

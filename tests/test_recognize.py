@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from graphpass._torch_api import capture_pre_dispatch
+from graphpass.capture import capture as capture_graph
 from graphpass.recognize import OutputLabel, label_output
 
 T, V = 5, 7
@@ -16,7 +16,7 @@ def _capturing_backend(captured: list):
     """A backend that appends the pre-dispatch ATen graph the core would see, then runs eagerly."""
 
     def backend(gm, example_inputs):
-        captured.append(capture_pre_dispatch(gm, example_inputs)[0])
+        captured.append(capture_graph(gm, example_inputs).gm)
         return gm.forward
 
     return backend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from graphpass import rowlocal
-from graphpass._torch_api import capture_pre_dispatch
+from graphpass.capture import capture as capture_graph
 from graphpass.regions import find_regions
 
 
@@ -13,7 +13,7 @@ def _only_region(fn, *args, dynamic=False):
     captured = []
 
     def backend(gm, example_inputs):
-        captured.append(capture_pre_dispatch(gm, example_inputs)[0])
+        captured.append(capture_graph(gm, example_inputs).gm)
         return gm.forward
 
     torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)(*args)

@@ -1,0 +1,297 @@
+"""Capture: Dynamo's graph as a functional, pre-dispatch ATen graph that means what it means.
+
+The passes assume a functional graph: no mutation, no aliasing. A Dynamo graph has both
+(`buf[s:e] = x` is a `setitem`, `x.exp_()` an in-place op) and higher-order ops whose semantics
+live in subgraphs (a user `autograd.Function` with its own backward, a checkpoint). So:
+
+1. Checkpoint and `wrap` bodies are inlined: they mean their body (checkpointing changes what
+   autograd saves, never a value or a gradient), and our chunked op recomputes anyway.
+2. Every other higher-order op becomes an opaque stub, `graphpass::opaque`, whose fake runs the
+   op itself; the passes see one node that reads tensors and makes tensors, and never look in.
+3. The graph is functionalized by AOTAutograd's export (`slice_scatter` instead of `setitem`,
+   `exp` instead of `exp_`), keeping grad-mode changes as `_set_grad_enabled` nodes and each
+   node's stack trace. Functional `copy` (from `copy_`) becomes differentiable ops.
+4. After the passes, `Captured.restore` puts the higher-order ops back in place of their stubs
+   and re-applies the mutations of graph inputs as `copy_` at the end.
+
+What capture cannot model raises `CantCapture`: the graph then runs unchanged, reason recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+import torch
+import torch.fx
+
+from graphpass import _torch_api
+
+aten = torch.ops.aten
+
+
+class CantCapture(RuntimeError):
+    """The Dynamo graph uses something capture cannot model soundly; the message says what."""
+
+
+@dataclasses.dataclass
+class _Hop:
+    """A higher-order op hidden behind a stub: how to call it again."""
+
+    target: object
+    args: tuple  # the HOP's args; tensor arguments replaced by their position among `tensors`
+    kwargs: dict
+    submodules: dict  # get_attr name -> module, for subgraph arguments
+
+
+@dataclasses.dataclass
+class Captured:
+    """A captured graph: functional ATen ops, higher-order ops behind stubs."""
+
+    gm: torch.fx.GraphModule
+    fakes: list
+    hops: dict  # stub key -> _Hop
+    mutated_inputs: list  # for each leading graph output, the user input position it updates
+
+    def restore(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """`gm` (this capture after the passes) with its stubs back as higher-order ops and the
+        inputs' mutations applied in place."""
+        graph = gm.graph
+        for node in list(graph.find_nodes(op="call_function", target=_opaque_op())):
+            hop = self.hops[node.args[0]]
+            tensors = node.args[1]
+            with graph.inserting_before(node):
+                args = []
+                for a in hop.args:
+                    if isinstance(a, _Tensor):
+                        args.append(tensors[a.position])
+                    elif isinstance(a, _Submodule):
+                        if not hasattr(gm, a.name):
+                            gm.add_submodule(a.name, hop.submodules[a.name])
+                        args.append(graph.get_attr(a.name))
+                    else:
+                        args.append(a)
+                call = graph.call_function(hop.target, tuple(args), dict(hop.kwargs))
+            call.meta.update(node.meta)
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+        if self.mutated_inputs:
+            _apply_input_mutations(graph, self.mutated_inputs)
+        graph.lint()
+        gm.recompile()
+        return gm
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submodule:
+    name: str
+
+
+def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
+    """Capture Dynamo's `gm` (left untouched) on fakes of `example_inputs`; see the module doc."""
+    fake_mode, fakes = _torch_api.fakify_inputs(example_inputs)
+    if any(True for _ in gm.named_parameters()) or any(True for _ in gm.named_buffers()):
+        raise CantCapture("the graph holds parameters or buffers (expected as inputs)")
+    gm = _copy(gm)
+    _inline_bodies(gm)
+    hops = _stub_higher_order_ops(gm)
+    with fake_mode:
+        exported, signature = _torch_api.export_functional(gm, fakes)
+    if signature.input_tokens or signature.output_tokens:
+        raise CantCapture("the graph has side-effecting ops (effect tokens)")
+    if signature.parameters or signature.buffers:
+        raise CantCapture("the export lifted parameters or buffers")
+    user_inputs = list(signature.user_inputs)
+    mutated = [user_inputs.index(signature.user_inputs_to_mutate[name])
+               for name in list(signature.user_inputs_to_mutate)]
+    _decompose_functional_copy(exported.graph)
+    exported.graph.lint()
+    exported.recompile()
+    return Captured(exported, fakes, hops, mutated)
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` (same submodules) whose graph can be edited freely."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+# ---- 1. inline checkpoint and wrap bodies ------------------------------------------------------
+def _inline_bodies(gm: torch.fx.GraphModule) -> None:
+    """Replace each checkpoint / wrap call by the nodes of its body (recursively)."""
+    inlined = True
+    while inlined:
+        inlined = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in _torch_api.inlinable_hops():
+                _inline(gm, node)
+                inlined = True
+
+
+def _inline(gm, node) -> None:
+    body_node, *operands = node.args
+    body = getattr(gm, body_node.target)
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(operands):
+        raise CantCapture(f"{node.target}: {len(operands)} operands for {len(placeholders)} body inputs")
+    env = dict(zip(placeholders, operands))
+    graph = gm.graph
+    with graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                result = torch.fx.node.map_arg(inner.args[0], env.__getitem__)
+                break
+            if inner.op == "get_attr":  # a nested body: move it onto the outer module
+                name = _fresh_attr(gm, inner.target)
+                setattr(gm, name, getattr(body, inner.target))
+                env[inner] = graph.get_attr(name)
+            else:  # its stack trace names the user's line inside the checkpointed function
+                env[inner] = graph.node_copy(inner, env.__getitem__)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        else:
+            raise CantCapture(f"{node.target}: its result is used whole, not item by item")
+    graph.erase_node(node)
+
+
+def _fresh_attr(gm, name: str) -> str:
+    for i in itertools.count():
+        candidate = f"{name}_inlined{i}"
+        if not hasattr(gm, candidate):
+            return candidate
+
+
+# ---- 2. stub the other higher-order ops --------------------------------------------------------
+_HOPS: dict[str, _Hop] = {}  # every stub of this process, by key (a fake may run after capture)
+_counter = itertools.count()
+
+
+def _opaque_op():
+    return torch.ops.graphpass.opaque.default
+
+
+@torch.library.custom_op("graphpass::opaque", mutates_args=())
+def opaque(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A higher-order op the passes must not look into; only ever run on fakes."""
+    raise RuntimeError("graphpass: an opaque stub ran outside capture; this is a graphpass bug")
+
+
+@opaque.register_fake
+def _(key, tensors):
+    hop = _HOPS[key]
+    args = [tensors[a.position] if isinstance(a, _Tensor)
+            else hop.submodules[a.name] if isinstance(a, _Submodule) else a for a in hop.args]
+    outs = hop.target(*args, **hop.kwargs)
+    # A stub's outputs are new tensors (the op may return an input as is).
+    return [o.clone() for o in outs]
+
+
+def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
+    hops = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        _check_stubbable(gm, node)
+        tensors, args, submodules = [], [], {}
+        for a in node.args:
+            if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+                submodules[a.target] = getattr(gm, a.target)
+                args.append(_Submodule(a.target))
+            elif isinstance(a, torch.fx.Node):
+                args.append(_Tensor(len(tensors)))
+                tensors.append(a)
+            else:
+                args.append(a)
+        key = f"hop{next(_counter)}"
+        hops[key] = _HOPS[key] = _Hop(node.target, tuple(args), dict(node.kwargs), submodules)
+        with gm.graph.inserting_before(node):
+            stub = gm.graph.call_function(_opaque_op(), (key, tensors))
+        stub.meta.update(node.meta)
+        node.replace_all_uses_with(stub)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return hops
+
+
+def _check_stubbable(gm, node) -> None:
+    name = getattr(node.target, "__name__", str(node.target))
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a.op != "get_attr" and not isinstance(_example(a), torch.Tensor):
+            raise CantCapture(f"higher-order op {name} reads {a.name}, which is not a tensor")
+    for value in node.kwargs.values():
+        if isinstance(value, torch.fx.Node):
+            raise CantCapture(f"higher-order op {name} takes a graph value as a keyword argument")
+    outs = _example(node)
+    if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise CantCapture(f"higher-order op {name} returns something other than a tuple of tensors")
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr" and _mutates_inputs(getattr(gm, a.target)):
+            raise CantCapture(f"higher-order op {name} mutates its inputs")
+
+
+def _example(node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _mutates_inputs(body) -> bool:
+    """Conservatively: the body calls an in-place method, a setitem or an out= op anywhere."""
+    if not isinstance(body, torch.fx.GraphModule):
+        return False
+    for node in body.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if node.op in ("call_method", "call_function") and (
+                (name.endswith("_") and not name.endswith("__")) or node.target is operator.setitem
+                or "out" in node.kwargs):
+            return True
+        if node.op == "get_attr" and _mutates_inputs(getattr(body, node.target, None)):
+            return True
+    return False
+
+
+# ---- 3. after the export ------------------------------------------------------------------------
+def _decompose_functional_copy(graph: torch.fx.Graph) -> None:
+    """`copy(dst, src)` -> `src` cast to dst's dtype, broadcast to its shape, as a new tensor.
+
+    Functional `copy` has no derivative formula; these ops do, with the same values.
+    """
+    for node in list(graph.find_nodes(op="call_function", target=aten.copy.default)):
+        dst, src = node.args[:2]  # a non_blocking flag changes no value
+        dst_val = dst.meta["val"]
+        with graph.inserting_before(node):
+            cast = graph.call_function(aten._to_copy.default, (src,),
+                                       {"dtype": dst_val.dtype, "device": dst_val.device})
+            expanded = graph.call_function(aten.expand_as.default, (cast, dst))
+            new = graph.call_function(aten.clone.default, (expanded,))
+        src_val = src.meta["val"]
+        with _torch_api.detect_fake_mode([dst_val]):
+            cast.meta["val"] = src_val.to(dtype=dst_val.dtype, device=dst_val.device)
+            expanded.meta["val"] = cast.meta["val"].expand_as(dst_val)
+            new.meta["val"] = expanded.meta["val"].clone()
+        for n in (cast, expanded, new):
+            if "stack_trace" in node.meta:
+                n.meta["stack_trace"] = node.meta["stack_trace"]
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def _apply_input_mutations(graph: torch.fx.Graph, mutated_inputs: list) -> None:
+    """Turn the export's leading outputs (new values of mutated inputs) back into `copy_`s."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    output = graph.output_node()
+    values = list(output.args[0])
+    with graph.inserting_before(output):
+        for position, value in zip(mutated_inputs, values):
+            graph.call_function(aten.copy_.default, (placeholders[position], value))
+    output.args = (tuple(values[len(mutated_inputs):]),)
