@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from passes import check_pass_names
+
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
 
@@ -27,7 +29,10 @@ class Config:
     """Print the memory-savings table for every compiled graph (also GRAPHPASS_REPORT=1)."""
 
     disable_passes: tuple[str, ...] = ()
-    """Names of passes to skip, e.g. ("drop_unused_grad_pass",)."""
+    """Names of passes to skip, e.g. ("chunk_rowwise_regions_pass",) to run the graph unrewritten.
+
+    The passes, in order: see `passes.PASS_NAMES`. An unknown name is an error here.
+    """
 
     def __post_init__(self):
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
@@ -40,6 +45,4 @@ class Config:
             raise ValueError(
                 f"graphpass: inner must be one of {', '.join(INNER_COMPILERS)}; got {self.inner!r}"
             )
-        if isinstance(self.disable_passes, str):
-            raise ValueError("graphpass: disable_passes must be a tuple of pass names, not a string")
-        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        object.__setattr__(self, "disable_passes", check_pass_names(self.disable_passes))

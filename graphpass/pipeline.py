@@ -10,12 +10,9 @@ import torch
 from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
-from passes import chunk_rowwise_regions_pass, tag_grad_flow_pass
+from passes import registry
 
 log = logging.getLogger("graphpass")
-
-#: The passes, in order. Each is `<effect>_pass(gm, example_inputs, *, config, record) -> gm`.
-PASSES = (tag_grad_flow_pass, chunk_rowwise_regions_pass)
 
 
 class PassFailed(RuntimeError):
@@ -42,21 +39,21 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
     if on_stage:
         on_stage("captured", "capture", before)
     after = _copy(before)  # `before` stays intact for reports and the memory model
-    for number, pass_fn in enumerate(PASSES):
-        name = pass_fn.__name__
-        if name in config.disable_passes:
-            log.info("graphpass: pass %d %s disabled", number, name)
+    passes = registry()
+    for p in passes:
+        if p.name in config.disable_passes:
+            log.info("graphpass: graph %d: pass %d/%d %s disabled", record.index, p.number, len(passes), p.name)
             continue
+        log.debug("graphpass: graph %d: pass %d/%d %s", record.index, p.number, len(passes), p.name)
         try:
-            after = pass_fn(after, fakes, config=config, record=record)
+            after = p.fn(after, fakes, config=config, record=record)
             after.graph.lint()
             after.recompile()
         except Exception as e:
-            raise PassFailed(f"pass {number} {name} failed: {type(e).__name__}: {e}") from e
-        record.passes_run.append(name)
-        log.debug("graphpass: pass %d %s done", number, name)
+            raise PassFailed(f"pass {p.number} {p.name} failed: {type(e).__name__}: {e}") from e
+        record.passes_run.append(p.name)
         if on_stage:
-            on_stage("after", name, after)
+            on_stage("after", p.name, after)
     after.graph.eliminate_dead_code()
     after = captured.restore(after)
     record.graph_module, record.example_inputs = after, fakes

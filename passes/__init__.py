@@ -1,6 +1,63 @@
-"""graphpass's graph passes, one module per rewrite, each `<effect>_pass(gm, example_inputs, *, ...)`."""
+"""graphpass's graph passes: every rewrite of the captured ATen graph, one module each, in order.
 
-from passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
-from passes.tag_grad_flow import tag_grad_flow_pass
+Module `<effect>.py` defines `<effect>_pass(gm, example_inputs, *, config, record) -> gm`.
+`PASS_NAMES` is the order the pipeline runs them in. It is plain data, so `graphpass.config` can
+check `Config.disable_passes` against it without importing torch; `registry()` imports the passes.
+"""
 
-__all__ = ["chunk_rowwise_regions_pass", "tag_grad_flow_pass"]
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+#: Every pass, in the order the pipeline runs them. A new pass is a module here plus a name here.
+PASS_NAMES = (
+    "tag_grad_flow_pass",  # node.meta: can a gradient from the outputs reach this node?
+    "chunk_rowwise_regions_pass",  # each row-local region -> one graphpass::rowwise_chunked op
+)
+
+__all__ = ["PASS_NAMES", "Pass", "check_pass_names", "registry", *PASS_NAMES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One registered pass."""
+
+    number: int
+    """Its place in the order, from 1 (logs and errors say "pass 2 chunk_rowwise_regions_pass")."""
+    name: str
+    """The pass function's name, `<effect>_pass`: what `Config.disable_passes` names."""
+    fn: Callable
+    """`fn(gm, example_inputs, *, config, record) -> gm`."""
+
+
+def check_pass_names(names) -> tuple[str, ...]:
+    """`names` as a tuple; ValueError (one line, listing the known names) on an unknown one."""
+    if isinstance(names, str):
+        raise ValueError("graphpass: disable_passes must be a tuple of pass names, not a string")
+    names = tuple(names)
+    unknown = [n for n in names if n not in PASS_NAMES]
+    if unknown:
+        raise ValueError(f"graphpass: unknown pass {unknown[0]!r} in disable_passes; "
+                         f"known passes: {', '.join(PASS_NAMES)}")
+    return names
+
+
+def registry() -> tuple[Pass, ...]:
+    """The passes, imported, in order."""
+    return tuple(Pass(number, name, _load(name)) for number, name in enumerate(PASS_NAMES, start=1))
+
+
+def _load(name: str) -> Callable:
+    # Relative to this package, so it works under whichever name the package was imported.
+    module = importlib.import_module(f"{__name__}.{name.removesuffix('_pass')}")
+    return getattr(module, name)
+
+
+def __getattr__(name: str):
+    # `from passes import chunk_rowwise_regions_pass` still works, without importing every pass
+    # (and torch) when only the names are wanted.
+    if name in PASS_NAMES:
+        return _load(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""The pass registry: order, one signature, disable-by-name, errors that name the pass."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphpass
+import passes
+from graphpass import pipeline
+from graphpass.records import GraphRecord
+
+
+def test_registry_is_numbered_in_order():
+    entries = passes.registry()
+    assert [p.name for p in entries] == list(passes.PASS_NAMES)
+    assert [p.number for p in entries] == list(range(1, len(entries) + 1))
+    assert passes.PASS_NAMES[:2] == ("tag_grad_flow_pass", "chunk_rowwise_regions_pass")
+
+
+@pytest.mark.parametrize("entry", passes.registry(), ids=lambda p: p.name)
+def test_every_pass_has_the_one_signature(entry):
+    assert entry.fn.__name__ == entry.name and entry.fn.__module__.endswith(entry.name.removesuffix("_pass"))
+    signature = inspect.signature(entry.fn)
+    assert list(signature.parameters)[:2] == ["gm", "example_inputs"]
+    signature.bind("gm", [], config=None, record=None)  # config and record by keyword
+    with pytest.raises(TypeError):
+        signature.bind("gm", [], None, None)  # never by position
+
+
+def test_unknown_pass_name_fails_at_config_construction_with_the_known_names():
+    with pytest.raises(ValueError) as info:
+        graphpass.Config(disable_passes=("drop_unused_grad_pass",))
+    message = str(info.value)
+    assert "\n" not in message and "'drop_unused_grad_pass'" in message
+    assert all(name in message for name in passes.PASS_NAMES)
+    assert graphpass.Config(disable_passes=["tag_grad_flow_pass"]).disable_passes == ("tag_grad_flow_pass",)
+
+
+def test_names_are_known_without_importing_torch():
+    code = "import sys, passes; print(passes.PASS_NAMES); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd=passes.__path__[0] + "/..")
+
+
+def test_a_failing_pass_is_named(monkeypatch):
+    def broken(gm, example_inputs, *, config, record):
+        raise RuntimeError("boom")
+
+    entries = passes.registry()
+    monkeypatch.setattr(pipeline, "registry", lambda: (entries[0], passes.Pass(2, "broken_pass", broken)))
+    captured = []
+
+    def backend(gm, example_inputs):
+        try:
+            pipeline.rewrite_graph(gm, example_inputs, graphpass.Config(), GraphRecord(index=0))
+        except pipeline.PassFailed as e:
+            captured.append(str(e))
+        return gm.forward
+
+    torch.compile(lambda x: (x.sin(),), backend=backend)(torch.randn(3))
+    assert captured == ["pass 2 broken_pass failed: RuntimeError: boom"]
