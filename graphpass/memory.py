@@ -11,10 +11,14 @@ saving exactly what eager's autograd formulas save) and walks it with storage li
 - in the backward, the autograd engine accumulates a gradient in place when it holds the last
   reference (`InputBuffer::accumulate`), and `gather`'s backward scatters into its fresh zeros in
   place; tracing records both out of place, so the walk re-applies eager's in-place reuse;
-- a graphpass chunked op adds its program's per-chunk workspace while it runs, forward and
+- a graphpass chunked op adds its site's per-chunk workspace while it runs, forward and
   backward. Its real backward loops over chunks in Python, so the joint trace replaces it by a
   stub that allocates exactly what the real one returns: one gradient buffer per input that
-  needs one, in that input's dtype.
+  needs one, in that input's dtype; outputs whose gradient is dropped get no backward.
+
+What the model knows about a chunked op (its outputs' `keeps_grad`, its workspace) comes from the
+`SiteRecord`s passed in (`GraphRecord.sites`), matched by program key: never from the op's registry
+of programs, so reports work in a process that never built the programs.
 
 Nothing is allocated: every tensor is a fake tensor. `estimate_rewrite(result)` compares the
 graph before and after graphpass's rewrite and attributes the difference to the sites.
@@ -23,12 +27,11 @@ graph before and after graphpass's rewrite and attributes the difference to the 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
-import torch.utils._pytree as pytree
 
 from graphpass import _torch_api
+from graphpass.records import SiteRecord
 
 
 @dataclasses.dataclass
@@ -102,30 +105,36 @@ def _is_chunked_op(target) -> bool:
         "graphpass", "graphpass_memory")
 
 
-def _program(key):
-    from graphpass import chunked_op
+class _Sites:
+    """The `SiteRecord`s of a graph, looked up by a chunked-op call's program key and inputs."""
 
-    return chunked_op.program(key)
+    def __init__(self, sites=()):
+        self._by_key: dict[str, list[SiteRecord]] = {}
+        for site in sites or ():
+            self._by_key.setdefault(site.program_key, []).append(site)
+
+    def find(self, key: str, tensors=()) -> SiteRecord | None:
+        sites = self._by_key.get(key, [])
+        if len(sites) > 1:  # one program at several shapes: the site whose logits these are
+            shapes = {_hinted(t.shape) for t in tensors if isinstance(t, torch.Tensor)}
+            sites = [s for s in sites if _hinted(s.shape) in shapes] or sites
+        return sites[0] if sites else None
+
+    def keeps_grad(self, key: str) -> list[bool] | None:
+        site = self.find(key)
+        return [o.keeps_grad for o in site.outputs] if site is not None else None
+
+    def workspace_bytes(self, key: str, tensors) -> int:
+        """Per-chunk transient bytes of the chunked op `key` over these inputs (0 if unrecorded)."""
+        site = self.find(key, tensors)
+        return int(site.workspace_bytes or 0) if site is not None else 0
 
 
-def _rows_vocab(tensors, prog) -> tuple[int, int]:
-    wide = tensors[prog.wide_input_positions[0]]
-    vocab = _torch_api.size_hint(wide.shape[-1])
-    rows = _torch_api.size_hint(wide.numel()) // vocab if vocab else 0
-    return rows, vocab
-
-
-def workspace_bytes(key: str, tensors) -> int:
-    """Per-chunk transient bytes of the chunked op `key` over these inputs (0 if unknown)."""
+def _hinted(shape) -> tuple:
     try:
-        prog = _program(key)
-    except Exception:
-        return 0
-    rows, vocab = _rows_vocab(tensors, prog)
-    fn = prog.workspace_bytes
-    # The contract said workspace_bytes(rows); the op takes (rows, vocab): accept both.
-    n_params = len(inspect.signature(fn).parameters)
-    return int(fn(rows, vocab) if n_params >= 2 else fn(rows))
+        return tuple(_torch_api.size_hint(s) for s in shape)
+    except (TypeError, ValueError):  # a size printed as a name in a hand-made record
+        return tuple(shape)
 
 
 @torch.library.custom_op("graphpass_memory::chunked_backward", mutates_args=())
@@ -165,40 +174,42 @@ class _ChunkedStub(torch.autograd.Function):
         return (None, None, None, None, *[g if need else None for g, need in zip(grads, ctx.needs)])
 
 
-def _chunked_stub(key, tensors, scalars, *extra):
-    try:
-        keeps = [o.keeps_grad for o in _program(key).outputs]
-    except Exception:
-        keeps = None
-    outs = _ChunkedStub.apply(key, scalars, extra, keeps or [True] * 64, *tensors)
-    return list(outs)
+def _chunked_stub(sites: _Sites):
+    def stub(key, tensors, scalars, *extra):
+        # An unrecorded site keeps every gradient: the model never under-counts a backward.
+        keeps = sites.keeps_grad(key) or [True] * 64
+        return list(_ChunkedStub.apply(key, scalars, extra, keeps, *tensors))
+
+    return stub
 
 
-def _with_stubs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _with_stubs(gm: torch.fx.GraphModule, sites: _Sites) -> torch.fx.GraphModule:
     """A copy of `gm` whose chunked-op calls go through `_ChunkedStub` (same forward node)."""
     op = _chunked_op()
     if op is None or not any(n.target is op for n in gm.graph.nodes):
         return gm
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    stub = _chunked_stub(sites)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is op:
-            node.target = _chunked_stub
+            node.target = stub
     return torch.fx.GraphModule(gm, graph)
 
 
-def trace_joint(gm: torch.fx.GraphModule, fake_inputs) -> tuple[torch.fx.GraphModule, int, int]:
+def trace_joint(gm: torch.fx.GraphModule, fake_inputs, sites=()) -> tuple[torch.fx.GraphModule, int, int]:
     """The joint forward+backward of `gm` as an ATen graph on fake tensors.
 
+    `sites` are the `SiteRecord`s of `gm`'s chunked ops (which outputs keep a gradient).
     Returns (joint graph, number of primal placeholders, number of tangent placeholders). The
     joint's outputs are (forward outputs, gradients of the inputs that require grad).
     """
     fake_mode = _torch_api.detect_fake_mode(fake_inputs)
-    gm = _with_stubs(gm)
+    gm = _with_stubs(gm, _Sites(sites))
     primals = list(fake_inputs)
     with fake_mode, torch.enable_grad():
         outs = gm(*primals)
-    flat_outs = pytree.tree_leaves(outs)
+    flat_outs = _torch_api.tree_leaves(outs)
     diff_idx = [i for i, o in enumerate(flat_outs)
                 if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
     params = [i for i, x in enumerate(primals) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -211,7 +222,7 @@ def trace_joint(gm: torch.fx.GraphModule, fake_inputs) -> tuple[torch.fx.GraphMo
         xs, ts = args[:n_primals], args[n_primals:]
         with torch.enable_grad():
             out = gm(*xs)
-        flat = pytree.tree_leaves(out)
+        flat = _torch_api.tree_leaves(out)
         grads = []
         if ts:
             grads = torch.autograd.grad([flat[i] for i in diff_idx], [xs[i] for i in params], list(ts),
@@ -239,15 +250,17 @@ def _op_name(target) -> str:
 
 
 def _tensors(val) -> list[torch.Tensor]:
-    return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
+    return [v for v in _torch_api.tree_leaves(val) if isinstance(v, torch.Tensor)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return _torch_api.size_hint(t.untyped_storage().nbytes())
 
 
-def walk(joint_gm: torch.fx.GraphModule, n_inputs: int) -> PeakEstimate:
-    """Storage liveness over a joint graph whose first `n_inputs` placeholders are the baseline."""
+def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimate:
+    """Storage liveness over a joint graph whose first `n_inputs` placeholders are the baseline;
+    `sites` (`SiteRecord`s) give the workspace of its chunked ops."""
+    sites = _Sites(sites)
     nodes = list(joint_gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -276,7 +289,7 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int) -> PeakEstimate:
             continue
         for k in keys[n]:
             last_use[k] = max([last_use.get(k, index[n]), *uses])
-    for k in pytree.tree_leaves([keys[a] for a in nodes[-1].all_input_nodes]):
+    for k in _torch_api.tree_leaves([keys[a] for a in nodes[-1].all_input_nodes]):
         last_use[k] = end  # graph outputs live to the end
 
     # Eager's in-place reuse (see module docstring): map a node's new storage onto a dying operand's.
@@ -329,7 +342,7 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int) -> PeakEstimate:
         ws = 0
         if n.op == "call_function" and _is_chunked_op(n.target) and n.args and isinstance(n.args[0], str):
             args_tensors = [a.meta["val"] for a in n.args[1] if isinstance(a, torch.fx.Node)]
-            ws = workspace_bytes(n.args[0], args_tensors)
+            ws = sites.workspace_bytes(n.args[0], args_tensors)
         if live_bytes + ws > peak:
             peak, peak_node, peak_live, peak_ws = live_bytes + ws, n.name, dict(live), ws
             peak_phase = "backward" if i >= bwd_start else "forward"
@@ -352,10 +365,13 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int) -> PeakEstimate:
                         live_at_peak=live_list, workspace_bytes=peak_ws)
 
 
-def estimate_peak(gm: torch.fx.GraphModule, fake_inputs) -> PeakEstimate:
-    """Estimated peak bytes above the inputs of one forward+backward of `gm` (eager semantics)."""
-    joint_gm, n_primals, _ = trace_joint(gm, fake_inputs)
-    return walk(joint_gm, n_primals)
+def estimate_peak(gm: torch.fx.GraphModule, fake_inputs, sites=()) -> PeakEstimate:
+    """Estimated peak bytes above the inputs of one forward+backward of `gm` (eager semantics).
+
+    `sites`: the `SiteRecord`s of `gm`'s chunked ops, if it has any (`GraphRecord.sites`).
+    """
+    joint_gm, n_primals, _ = trace_joint(gm, fake_inputs, sites)
+    return walk(joint_gm, n_primals, sites)
 
 
 def estimate_rewrite(result) -> MemoryEstimate:
@@ -367,7 +383,7 @@ def estimate_rewrite(result) -> MemoryEstimate:
     before = estimate_peak(result.before, result.fake_inputs)
     sites = list(getattr(result.record, "sites", []) or [])
     rewritten = result.after is not None and result.after is not result.before and sites
-    after = estimate_peak(result.after, result.fake_inputs) if rewritten else before
+    after = estimate_peak(result.after, result.fake_inputs, sites) if rewritten else before
     saved = before.peak_bytes - after.peak_bytes
     weights = [_site_weight(s) for s in sites]
     total = sum(weights)

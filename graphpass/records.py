@@ -1,6 +1,7 @@
 """What the backend compiled: one `GraphRecord` per graph, one `SiteRecord` per rewritten region.
 
-Tests and reports read these dataclasses, never the logs.
+Tests, reports and the memory model read these dataclasses, never the logs nor the op registry:
+whatever they need to know about a rewritten site is recorded here when the site is rewritten.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class SiteRecord:
     """Content hash of the per-chunk program (identifies the op's registered region)."""
     wide_inputs: int = 1
     """How many `[rows, V]` inputs the region reads."""
+    chunk_rows: int | None = None
+    """Rows per chunk the op uses at the recorded shape (symbolic sizes at their example values):
+    `chunk_size` capped at the rows, or the size chosen from the budget. None: not recorded."""
+    workspace_bytes: int | None = None
+    """Transient bytes of one chunk's kernels, forward or backward, beyond the op's inputs, outputs
+    and saved row statistics, at the recorded shape; the memory model adds them while the op runs.
+    None: not recorded (read as 0, which is what inductor's fused kernels keep)."""
 
     @property
     def grads_kept(self) -> list[bool]:

@@ -106,21 +106,9 @@ def _dtype_name(dtype) -> str:
 
 
 def _chunk_rows(site: SiteRecord) -> int | None:
-    """The rows per chunk the op will use for this site's shapes, when chosen automatically."""
-    if site.chunk_size is not None or not site.program_key:
-        return site.chunk_size
-    try:
-        from graphpass import chunked_op
-
-        prog = chunked_op.program(site.program_key)
-        dims = [int(s) for s in site.shape]
-        vocab = dims[-1]
-        rows = 1
-        for d in dims[:-1]:
-            rows *= d
-        return int(prog.rows_per_chunk(rows, vocab, site.dtype.itemsize))
-    except Exception:  # symbolic shape, program not in this process: leave it "auto"
-        return None
+    """Rows per chunk: as configured, else what the op chose for the site's shape (recorded), else
+    None ("auto")."""
+    return site.chunk_size if site.chunk_size is not None else site.chunk_rows
 
 
 def _entropy_grad(site: SiteRecord) -> str:

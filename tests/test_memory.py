@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -11,10 +12,8 @@ import types
 import pytest
 import torch
 
-from graphpass.capture import capture
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from graphpass import _torch_api, memory
+from graphpass.capture import capture
 from graphpass.records import GraphRecord, OutputRecord, SiteRecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +45,7 @@ def capture_before(fn, *args, **kwargs):
 
 
 def fake_ppo_inputs(dtype=torch.float32, t=T, v=V):
-    with FakeTensorMode():
+    with _torch_api.new_fake_mode():
         return (torch.empty(t, v, dtype=dtype, requires_grad=True), torch.empty(t, dtype=torch.int64),
                 torch.empty(t), torch.empty(t), torch.empty(t))
 
@@ -74,7 +73,7 @@ def test_inputs_are_baseline_and_views_are_free():
         y = x.view(T * V).view(T, V)[:, :]  # views of the input allocate nothing
         return (y * 2.0).sum()
 
-    with FakeTensorMode():
+    with _torch_api.new_fake_mode():
         x = torch.empty(T, V, requires_grad=True)
     gm, fakes = capture_before(f, x)
     est = memory.estimate_peak(gm, fakes)
@@ -88,7 +87,7 @@ def test_forward_only_graph_counts_transients_only():
     def f(x):
         return torch.log_softmax(x, -1).exp().sum(-1)
 
-    with FakeTensorMode():
+    with _torch_api.new_fake_mode():
         x = torch.empty(T, V)
     gm, fakes = capture_before(f, x)
     est = memory.estimate_peak(gm, fakes)
@@ -111,17 +110,9 @@ def _(key, tensors, scalars, out_sizes):
     return [tensors[0].new_empty(rows, dtype=torch.float32), tensors[0].new_empty(rows, dtype=torch.float32)]
 
 
-class StandinProgram:
-    """The slice of `chunked_op.RegionProgram` the memory model reads."""
+CHUNK = 16
+WORKSPACE = 3 * CHUNK * V * 4  # three fp32 [chunk, V] temporaries, as an op-by-op inner compiler
 
-    wide_input_positions = [0]
-
-    def __init__(self, chunk=16, keeps=(True, False)):
-        self.chunk = chunk
-        self.outputs = [types.SimpleNamespace(keeps_grad=k) for k in keeps]
-
-    def workspace_bytes(self, rows, vocab):
-        return 3 * min(rows, self.chunk) * vocab * 4
 
 
 def after_ppo(logits, tokens, old_logp, advantages, mask):
@@ -134,26 +125,27 @@ def after_ppo(logits, tokens, old_logp, advantages, mask):
 
 @pytest.fixture
 def standin(monkeypatch):
-    prog = StandinProgram()
+    """The stand-in op plays the chunked op; all the model knows of it is in the SiteRecords."""
     monkeypatch.setattr(memory, "_chunked_op", lambda: torch.ops.graphpass_standin.chunked.default)
-    monkeypatch.setattr(memory, "_program", lambda key: prog)
-    return prog
 
 
-def rewrite_result(dtype=torch.float32, n_sites=1):
+def site_record(dtype=torch.float32, keeps=(True, False), workspace=WORKSPACE, shape=(T, V), key="k0"):
+    return SiteRecord(kind="logprob+entropy", source="ppo_loss.py:25", shape=shape, dtype=dtype, chunk_size=CHUNK,
+                      outputs=[OutputRecord("logprob", keeps[0], "/ 0.7"), OutputRecord("entropy", keeps[1], "/ 0.7")],
+                      program_key=key, chunk_rows=CHUNK, workspace_bytes=workspace)
+
+
+def rewrite_result(dtype=torch.float32, n_sites=1, **site):
     before, fakes = capture_before(ppo_loss, *fake_ppo_inputs(dtype))
     after = torch.fx.symbolic_trace(after_ppo)
-    site = SiteRecord(kind="logprob+entropy", source="ppo_loss.py:25", shape=(T, V), dtype=dtype, chunk_size=16,
-                      outputs=[OutputRecord("logprob", True, "/ 0.7"), OutputRecord("entropy", False, "/ 0.7")],
-                      program_key="k0")
-    record = GraphRecord(index=0, sites=[site] * n_sites)
+    record = GraphRecord(index=0, sites=[site_record(dtype, **site)] * n_sites)
     return types.SimpleNamespace(before=before, after=after, fake_inputs=fakes, record=record)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_op_peak_is_floor_plus_one_chunk(standin, dtype):
     est = memory.estimate_rewrite(rewrite_result(dtype))
-    workspace = standin.workspace_bytes(T, V)
+    workspace = WORKSPACE
     assert est.after.floor_bytes == wide(dtype)
     assert wide(dtype) + workspace <= est.after.peak_bytes < wide(dtype) + workspace + 64 * T
     assert est.after.workspace_bytes == workspace
@@ -163,11 +155,34 @@ def test_chunked_op_peak_is_floor_plus_one_chunk(standin, dtype):
 
 
 def test_forward_only_outputs_get_no_backward(standin):
-    standin.outputs = [types.SimpleNamespace(keeps_grad=False)] * 2
-    est = memory.estimate_rewrite(rewrite_result())
+    est = memory.estimate_rewrite(rewrite_result(keeps=(False, False)))
     # Nothing differentiable reaches the logits: no gradient buffer, only the forward's chunk.
     assert est.after.floor_bytes == 0
-    assert est.after.peak_bytes < standin.workspace_bytes(T, V) + 64 * T
+    assert est.after.peak_bytes < WORKSPACE + 64 * T
+
+
+def test_unrecorded_workspace_counts_nothing(standin):
+    est = memory.estimate_rewrite(rewrite_result(workspace=None))
+    assert est.after.workspace_bytes == 0
+    assert wide() <= est.after.peak_bytes < wide() + 64 * T
+
+
+def test_one_program_at_two_shapes_takes_each_sites_workspace():
+    sites = memory._Sites([site_record(shape=(T, V), workspace=1), site_record(shape=(2 * T, V), workspace=2)])
+    with _torch_api.new_fake_mode():
+        logits, tokens = torch.empty(2 * T, V), torch.empty(2 * T, dtype=torch.int64)
+    assert sites.workspace_bytes("k0", [logits, tokens]) == 2
+    assert sites.workspace_bytes("k1", [logits, tokens]) == 0
+    assert sites.keeps_grad("k0") == [True, False] and sites.keeps_grad("k1") is None
+
+
+@pytest.mark.parametrize("module", ["memory", "report", "inspection", "cli"])
+def test_readers_of_records_never_import_the_op_registry(module):
+    with open(os.path.join(ROOT, "graphpass", f"{module}.py")) as f:
+        tree = ast.parse(f.read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+    assert not [name for name in imported if "chunked_op" in name]
 
 
 def test_savings_split_over_sites(standin):

@@ -74,6 +74,16 @@ def test_multi_site_rows_leave_graph_peaks_to_the_total():
     assert rows[-1][5:9] == ["4.00 GiB", "1.00 GiB", "3.00 GiB", "75.0%"]
 
 
+def test_chunk_column_reads_the_record():
+    auto = site(chunk=None)
+    assert report.table_rows(report.build_graph_report(GraphRecord(index=0, sites=[auto]), None))[1][0][3] == "auto"
+    auto.chunk_rows = 512  # recorded by the rewrite: what the op chose for this shape
+    assert report.table_rows(report.build_graph_report(GraphRecord(index=0, sites=[auto]), None))[1][0][3] == "auto (512)"
+    fixed = site(chunk=1024)
+    fixed.chunk_rows = 1024
+    assert report.table_rows(report.build_graph_report(GraphRecord(index=0, sites=[fixed]), None))[1][0][3] == "1024"
+
+
 def test_json_round_trips():
     rep = report.Report(graphs=[one_site_graph()], function="f.py:loss", inputs={"logits": "4096x32768:bfloat16"})
     data = json.loads(report.to_json(rep))
