@@ -192,3 +192,26 @@ def inlinable_hops() -> tuple:
     """Higher-order ops that mean their body: checkpoint (changes only what autograd saves), wrap."""
     hop = torch.ops.higher_order
     return tuple(getattr(hop, name) for name in ("tag_activation_checkpoint", "wrap") if hasattr(hop, name))
+
+
+# ---- memory model, inspection, CLI (graphpass/memory.py, inspection.py, cli.py) ------------------
+def tree_leaves(tree) -> list:
+    """The leaves of nested lists, tuples and dicts, in order (torch's pytree flattening)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
+def new_fake_mode():
+    """A fresh fake-tensor mode: tensors made under it (or by its `from_tensor`) have shapes,
+    dtypes and requires_grad, and no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def is_fake(x) -> bool:
+    """True for a fake tensor (one that has no data)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)

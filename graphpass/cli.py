@@ -112,7 +112,8 @@ def load_function(target: str):
 def bind_arguments(fn, tensor_specs, scalar_args):
     """Fake tensors and scalars bound to `fn`'s parameters, checked against its signature."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphpass import _torch_api
 
     try:
         sig = inspect.signature(fn)
@@ -135,7 +136,7 @@ def bind_arguments(fn, tensor_specs, scalar_args):
         if missing:
             raise SpecError(f"missing --input or --arg for parameter {missing[0]!r} of {fn.__name__}")
     kwargs = {}
-    with FakeTensorMode():
+    with _torch_api.new_fake_mode():
         for name, shape, dtype, grad in tensor_specs:
             t = torch.empty(shape, dtype=dtype)
             # Float inputs need grad unless told otherwise: the loss is differentiated w.r.t. them.

@@ -106,12 +106,10 @@ def capture(fn, args, kwargs, config: Config, dump_dir: str | None = None) -> li
 
 def fakeify(values, fake_mode=None):
     """Real tensors -> fake tensors of the same shape, dtype and requires_grad; others unchanged."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    fake_mode = fake_mode or FakeTensorMode()
+    fake_mode = fake_mode or _torch_api.new_fake_mode()
     out = []
     for v in values:
-        if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor):
+        if isinstance(v, torch.Tensor) and not _torch_api.is_fake(v):
             f = fake_mode.from_tensor(v.detach())
             if v.requires_grad:
                 f.requires_grad_(True)
