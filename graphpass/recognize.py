@@ -9,12 +9,21 @@ normal form, in which every idiom of the same quantity looks the same:
   ``("lse", L)``         ``logsumexp(L)`` over the vocabulary,
   ``("sumpx", L)``       ``sum_v softmax(L)_v * L_v``,
   ``("one",)``           the constant 1;
-* a *probability-weighted form* ``PW(L, f)`` stands for ``softmax(L) * f`` with ``f`` linear.
+* a *probability-weighted form* ``PW(L, f)`` stands for ``softmax(L) * f`` with ``f`` linear;
+* an *exponential form* ``Exp(f)`` stands for ``exp(f)`` with ``f`` linear: a softmax written out
+  by hand (``e = exp(x - m); e / e.sum(-1)``) is ``Exp(x - m) / Exp(lse - m)``, which is
+  ``PW(L, 1)``; ``log(Exp(f))`` is ``f`` again.
+
+An unknown value with one entry per row (``[T, 1]``, 0-d) is a row constant ``("c", node)``, such
+as the row max a hand-written softmax subtracts: it cancels wherever it is added and subtracted.
 
 With the identities ``log_softmax(L) = x(L) - lse(L)`` and ``sum_v softmax(L)_v = 1``:
 
     logprob = gather(L, i) - lse(L)          (whatever the spelling, e.g. -cross_entropy)
     entropy = lse(L) - sumpx(L)              (-sum(p * logp), Categorical.entropy(), entr, ...)
+
+and their negations, "-logprob" (a cross-entropy or NLL loss) and "-entropy" (``sum(p * logp)``).
+Labels are for reports only: ``log(p + eps)`` with a tiny ``eps`` is read as ``log(p)``.
 
 Anything the evaluator does not understand becomes a fresh logits leaf keyed by its node, which is
 always sound: an unknown tensor can only be mislabelled if a normalizer is applied to it, and
@@ -34,7 +43,11 @@ aten = torch.ops.aten
 
 LOGPROB = "logprob"
 ENTROPY = "entropy"
+NEG_LOGPROB = "-logprob"
+NEG_ENTROPY = "-entropy"
 ROWWISE = "rowwise"
+#: A constant this small added to a probability is a guard against log(0), not a change of meaning.
+_EPS = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +55,7 @@ class OutputLabel:
     """What a narrow region output computes and how the logits were scaled before it."""
 
     kind: str
-    """"logprob", "entropy" or "rowwise"."""
+    """"logprob", "entropy", their negations "-logprob" and "-entropy", or "rowwise"."""
     temperature: str | None = None
     """The scaling of the logits, e.g. "/ 0.7", "* 1.43", "/ item", "/ per-token"; None if unscaled."""
 
@@ -69,6 +82,25 @@ class PW:
 
 def _pw(logits, f: Lin) -> PW:
     return PW(logits, tuple(sorted(f.items(), key=repr)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Exp:
+    """`exp(f)` elementwise, with `f` a linear form (wide when f has a logits atom)."""
+
+    f: tuple  # sorted items of a Lin
+
+    @property
+    def lin(self) -> Lin:
+        return dict(self.f)
+
+
+def _exp(f: Lin):
+    """The form of `exp(f)`: a softmax `PW(L, 1)` when f is `x(L) - lse(L)`, else `Exp(f)`."""
+    split = _split_row_logits(f)
+    if split is not None and split[1] == {("lse", split[0]): -1.0}:
+        return _pw(split[0], _const(1.0))
+    return Exp(tuple(sorted(f.items(), key=repr)))
 
 
 def _leaf(key) -> Lin:
@@ -295,6 +327,9 @@ class _Evaluator:
             out = handler(self, n)
             if out is not None:
                 return out
+        val = _val(n)
+        if isinstance(val, torch.Tensor) and (val.ndim == 0 or _same_size(val.shape[-1], 1)):
+            return {("c", n): 1.0}  # one value per row: a row constant
         return _leaf(n)
 
     # -- helpers used by handlers ---------------------------------------------------------
@@ -309,6 +344,12 @@ class _Evaluator:
     def gathered(self, src, idx, f=None) -> Lin | None:
         """The form of `src[..., idx]` along V (`f`: src's form if already known), None if not linear."""
         f = self(src) if f is None else f
+        if isinstance(f, Exp):  # exp(f)[y] = exp(f[y])
+            g = self.gathered(src, idx, f.lin)
+            return None if g is None else _exp(g)
+        if isinstance(f, PW) and f.lin == _const(1.0):  # softmax(L)[y] = exp(x(L)[y] - lse(L))
+            g = self.gathered(src, idx, {("x", f.logits): 1.0, ("lse", f.logits): -1.0})
+            return None if g is None else Exp(tuple(sorted(g.items(), key=repr)))
         if not isinstance(f, dict):
             return None
         key = _index_key(idx)
@@ -327,7 +368,8 @@ def _h_cast(ev, n):
 def _h_view(ev, n):
     f = ev(n.args[0])
     in_shape, out_shape = _shape(n.args[0]), _shape(n)
-    wide = isinstance(f, PW) or any(a[0] == "x" for a in f)
+    atoms = f.lin if isinstance(f, (PW, Exp)) else f
+    wide = isinstance(f, PW) or any(a[0] == "x" for a in atoms)
     if not wide:
         return f
     # A wide value keeps its meaning only while V stays the last dimension.
@@ -338,6 +380,8 @@ def _h_view(ev, n):
 
 def _h_neg(ev, n):
     f = ev(n.args[0])
+    if isinstance(f, Exp):
+        return None
     return _pw(f.logits, _scale(f.lin, -1.0)) if isinstance(f, PW) else _scale(f, -1.0)
 
 
@@ -350,6 +394,10 @@ def _h_add_sub(sign: float):
         fa, fb = ev(a), ev(b)
         if isinstance(fa, dict) and isinstance(fb, dict):
             return _add(fa, _scale(fb, sign * alpha))
+        for prob, other in ((fa, fb), (fb, fa)):
+            c = _only_const(other) if isinstance(prob, (PW, Exp)) else None
+            if c is not None and abs(c) <= _EPS:
+                return prob  # p + eps, a guard against log(0)
         if isinstance(fa, PW) and isinstance(fb, PW) and fa.logits == fb.logits:
             return _pw(fa.logits, _add(fa.lin, _scale(fb.lin, sign * alpha)))
         return None
@@ -381,7 +429,7 @@ def _scale_form(f, factor_arg, op: str):
     base = _pure_leaf(f)
     if base is not None:
         return _leaf(("scale", base, op, factor))
-    if isinstance(factor, float) and factor != 0.0:
+    if isinstance(factor, float) and factor != 0.0 and not isinstance(f, Exp):
         c = factor if op == "*" else 1.0 / factor
         return _pw(f.logits, _scale(f.lin, c)) if isinstance(f, PW) else _scale(f, c)
     return None
@@ -392,6 +440,8 @@ def _h_mul(ev, n):
     if not _broadcast_ok(n, (a, b)):
         return None
     fa, fb = ev(a), ev(b)
+    if isinstance(fa, Exp) and isinstance(fb, Exp):
+        return _exp(_add(fa.lin, fb.lin))
     # Products of a probability with a linear form are the summands of expectations.
     for p, g in ((fa, fb), (fb, fa)):
         if isinstance(p, PW) and isinstance(g, dict):
@@ -417,6 +467,11 @@ def _h_div(ev, n):
         return None
     if not _broadcast_ok(n, n.args[:2]):
         return None
+    fa, fb = ev(n.args[0]), ev(n.args[1])
+    if isinstance(fa, (Exp, PW)) and isinstance(fb, Exp):  # e / e.sum(-1): a softmax by hand
+        top = fa.lin if isinstance(fa, Exp) else (
+            {("x", fa.logits): 1.0, ("lse", fa.logits): -1.0} if fa.lin == _const(1.0) else None)
+        return None if top is None else _exp(_add(top, _scale(fb.lin, -1.0)))
     return _scaled(ev, n, n.args[0], n.args[1], "/")
 
 
@@ -460,6 +515,9 @@ def _h_sum(ev, n):
     if not _is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
         return None
     f = ev(n.args[0])
+    if isinstance(f, Exp):  # sum_v exp(x_v + c) = exp(lse + c) for row constants c
+        split = _split_row_logits(f.lin)
+        return None if split is None else _exp(_add({("lse", split[0]): 1.0}, split[1]))
     if not isinstance(f, PW):
         return None  # a sum of logits or of log-probs is not an expectation
     out: Lin = {}
@@ -473,14 +531,13 @@ def _h_sum(ev, n):
 
 def _h_exp(ev, n):
     f = ev(n.args[0])
-    split = _split_row_logits(f)
-    if split is not None and split[1] == {("lse", split[0]): -1.0}:
-        return _pw(split[0], _const(1.0))  # exp(log_softmax(L)) = softmax(L)
-    return None
+    return _exp(f) if isinstance(f, dict) else None  # exp(log_softmax(L)) = softmax(L)
 
 
 def _h_log(ev, n):
     f = ev(n.args[0])
+    if isinstance(f, Exp):
+        return f.lin
     if isinstance(f, PW) and f.lin == _const(1.0):
         return {("x", f.logits): 1.0, ("lse", f.logits): -1.0}  # log(softmax(L))
     return None
@@ -611,7 +668,16 @@ def _temperature(key) -> str | None:
 
 
 def _classify(f) -> OutputLabel:
-    """Match a normal form against the log-prob and entropy forms."""
+    """Match a normal form against the log-prob and entropy forms and their negations."""
+    label = _classify_positive(f)
+    if label.kind == ROWWISE and isinstance(f, dict):
+        negated = _classify_positive(_scale(f, -1.0))
+        if negated.kind != ROWWISE:
+            return OutputLabel("-" + negated.kind, negated.temperature)
+    return label
+
+
+def _classify_positive(f) -> OutputLabel:
     if not isinstance(f, dict) or len(f) != 2:
         return OutputLabel(ROWWISE)
     by_kind = {a[0]: (a, k) for a, k in f.items()}

@@ -65,9 +65,10 @@ def source_of(node: torch.fx.Node) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
-#: Narrow ops that finish a quantity: a sign flip, views, casts.
+#: Narrow ops that finish a quantity: a sign flip, views, casts, and the log of a hand-written
+#: softmax's sum or picked probability (`log(sum(exp(x - m)))`, `log(p.gather(...))`).
 _FINISHING = {
-    aten.neg.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.neg.default, aten.log.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
     aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.view_as.default,
     aten.reshape_as.default, aten.to.dtype, aten._to_copy.default, operator.getitem,
 }
@@ -146,8 +147,11 @@ class _Grower:
                 self._add_users(node, frontier)
         self._absorb_narrow_closure()
         self._evict_wide_escapes()
+        if not any(n.target in rowlocal.NORMALISERS or n.target is aten.exp.default for n in self.nodes):
+            # A plain sum or max over the last dim: nothing to save by chunking it.
+            return "no softmax, log-sum-exp or exp over the vocabulary"
         if self.anchor not in self.nodes:
-            # The anchor's own value is needed outside; another normaliser may still lead.
+            # The anchor's own value is needed outside; another node may still lead.
             anchors = [n for n in self.nodes if n.target in rowlocal.ANCHORS]
             if not anchors:
                 return "its [rows, V] values are needed outside it"

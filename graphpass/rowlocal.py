@@ -117,8 +117,11 @@ _NLL = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss
 #: Ops that index the vocabulary with token ids (gather's `index`, the losses' `target`).
 TOKEN_ID_OPS = _GATHER | _NLL
 
-#: Ops that start a region: they normalise a distribution over the vocabulary.
-ANCHORS = _SOFTMAX | {aten.logsumexp.default} | _NLL
+#: Ops that normalise a distribution over the vocabulary; a region must contain one.
+NORMALISERS = _SOFTMAX | {aten.logsumexp.default} | _NLL
+#: Ops that start a region: the normalisers, and the reductions over the vocabulary a softmax
+#: written out by hand begins with (`x - x.max(-1)`, then `exp`, then `e / e.sum(-1)`).
+ANCHORS = NORMALISERS | {aten.amax.default, aten.max.dim, aten.sum.dim_IntList}
 
 
 #: Elementwise broadcasting of a list of operands, one output each (Categorical.log_prob

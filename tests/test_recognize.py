@@ -252,17 +252,8 @@ def rw_twice_logprob(x, t, temp=None):
     return 2.0 * F.log_softmax(_scaled(x, temp), -1).gather(-1, t[:, None]).squeeze(-1)
 
 
-def rw_positive_cross_entropy(x, t, temp=None):
-    return F.cross_entropy(_scaled(x, temp), t, reduction="none")  # a loss, the negated log-prob
-
-
 def rw_label_smoothing(x, t, temp=None):
     return -F.cross_entropy(_scaled(x, temp), t, reduction="none", label_smoothing=0.1)
-
-
-def rw_positive_sum_p_logp(x, t, temp=None):
-    y = _scaled(x, temp)
-    return (F.softmax(y, -1) * F.log_softmax(y, -1)).sum(-1)  # the negative entropy
 
 
 def rw_entropy_of_other_logits(x, t, temp=None):
@@ -285,9 +276,7 @@ ROWWISE_FORMS = [
     rw_logsumexp_only,
     rw_mismatched_logits,
     rw_twice_logprob,
-    rw_positive_cross_entropy,
     rw_label_smoothing,
-    rw_positive_sum_p_logp,
     rw_entropy_of_other_logits,
     rw_entropy_times_mask,
 ]
@@ -318,6 +307,55 @@ def test_entropy_forms(fn, temp, temp_text):
 def test_rowwise_forms(fn, temp):
     x, t = inputs()
     assert output_labels(lambda x, t: fn(x, t, temp), x, t) == [OutputLabel("rowwise", None)]
+
+
+# ---- negations and hand-written softmaxes ---------------------------------------------------------
+
+
+def neg_cross_entropy(x, t, temp=None):
+    return F.cross_entropy(_scaled(x, temp), t, reduction="none")  # a loss, the negated log-prob
+
+
+def neg_sum_p_logp(x, t, temp=None):
+    y = _scaled(x, temp)
+    return (F.softmax(y, -1) * F.log_softmax(y, -1)).sum(-1)  # the negative entropy
+
+
+def neg_manual_cross_entropy(x, t, temp=None):
+    # Megatron's spelling: subtract the row max, pick the target, log of the sum of exps.
+    y = _scaled(x, temp)
+    shifted = y - y.max(-1)[0].unsqueeze(-1)
+    picked = shifted.gather(-1, t[:, None]).squeeze(-1)
+    return torch.log(shifted.exp().sum(-1)) - picked
+
+
+def lp_manual_softmax_in_place(x, t, temp=None):
+    y = _scaled(x, temp).clone()
+    y.sub_(y.amax(-1, keepdim=True).detach())
+    y.exp_()
+    y.div_(y.sum(-1, keepdim=True))
+    return torch.log(y.gather(-1, t[:, None]).squeeze(-1))
+
+
+def ent_p_log_p_eps(x, t, temp=None):
+    p = F.softmax(_scaled(x, temp), -1)
+    return -(p * torch.log(p + 1e-10)).sum(-1)
+
+
+@pytest.mark.parametrize("temp,temp_text", TEMPERATURES, ids=["plain", "div", "mul"])
+@pytest.mark.parametrize("fn,kind", [(neg_cross_entropy, "-logprob"), (neg_sum_p_logp, "-entropy"),
+                                     (neg_manual_cross_entropy, "-logprob"),
+                                     (lp_manual_softmax_in_place, "logprob"), (ent_p_log_p_eps, "entropy")],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_negated_and_hand_written_forms(fn, kind, temp, temp_text):
+    x, t = inputs()
+    assert output_labels(lambda x, t: fn(x, t, temp), x, t) == [OutputLabel(kind, temp_text)]
+
+
+def test_probability_of_token_is_not_a_log_prob():
+    x, t = inputs()
+    fn = lambda x, t: torch.log(F.softmax(x, -1).gather(-1, t[:, None]).squeeze(-1) + 0.5)  # noqa: E731
+    assert output_labels(fn, x, t) == [OutputLabel("rowwise")]
 
 
 # ---- layouts [B, S, V] ---------------------------------------------------------------------------
