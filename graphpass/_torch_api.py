@@ -215,3 +215,18 @@ def is_fake(x) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(x, FakeTensor)
+
+
+# ---- graph nodes (analysis) -------------------------------------------------------------------------
+#: The function a pre-dispatch graph calls where grad mode changes (`with torch.no_grad():`).
+set_grad_enabled = torch._C._set_grad_enabled
+
+
+def is_aten_overload(target) -> bool:
+    """True for an op overload such as `aten.add.Tensor` (it has a schema and tags)."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_higher_order_op(target) -> bool:
+    """True for a higher-order op such as `autograd_function_apply` (it calls subgraphs)."""
+    return isinstance(target, torch._ops.HigherOrderOperator)

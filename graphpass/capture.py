@@ -201,7 +201,7 @@ def _(key, tensors):
 def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
     hops = {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        if node.op != "call_function" or not _torch_api.is_higher_order_op(node.target):
             continue
         _check_stubbable(gm, node)
         tensors, args, submodules = [], [], {}

@@ -93,9 +93,9 @@ class RegionProgram:
         """Rows per chunk for these inputs; forward and backward chunk alike."""
         return self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
 
-    def workspace_bytes(self, rows: int, vocab: int) -> int:
+    def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
         """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs."""
-        return _TEMPORARIES_PER_CHUNK[self.inner] * self.rows_per_chunk(rows, vocab) * vocab * 4
+        return _TEMPORARIES_PER_CHUNK[self.inner] * self.rows_per_chunk(rows, vocab, grad_itemsize) * vocab * 4
 
     # ---- fake ------------------------------------------------------------------------------
     def fake_outputs(self, tensors, out_sizes):

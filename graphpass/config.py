@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from passes import check_pass_names
+from graphpass.passes import check_pass_names
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphpass._torch_api import same_size
+from graphpass._torch_api import is_aten_overload, same_size
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def _is_elementwise(node) -> bool:
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
     target = node.target
-    pointwise = (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    pointwise = (is_aten_overload(target) and torch.Tag.pointwise in target.tags
                  and torch.Tag.nondeterministic_seeded not in target.tags)  # a random op must not move
     cast = target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
     if not (pointwise or cast) or "val" not in node.meta:

@@ -10,7 +10,7 @@ import torch
 from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
-from passes import registry
+from graphpass.passes import registry
 
 log = logging.getLogger("graphpass")
 

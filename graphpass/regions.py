@@ -19,7 +19,7 @@ import operator
 import torch
 
 from graphpass import rowlocal
-from graphpass._torch_api import known_equal
+from graphpass._torch_api import known_equal, set_grad_enabled
 from graphpass.records import Candidate
 
 aten = torch.ops.aten
@@ -46,7 +46,7 @@ def grad_modes(graph: torch.fx.Graph) -> dict:
     """Grad mode in force at each node, following `_set_grad_enabled` calls in graph order."""
     enabled, modes = torch.is_grad_enabled(), {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if node.op == "call_function" and node.target is set_grad_enabled:
             enabled = bool(node.args[0])
         modes[node] = enabled
     return modes

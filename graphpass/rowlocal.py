@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from graphpass._torch_api import known_equal
+from graphpass._torch_api import is_aten_overload, known_equal
 
 aten = torch.ops.aten
 
@@ -131,7 +131,7 @@ _BROADCASTS = {aten.broadcast_tensors.default}
 
 def is_pointwise(target) -> bool:
     return target in _IDENTITY_LIKE or target in _BROADCASTS or (
-        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+        is_aten_overload(target) and torch.Tag.pointwise in target.tags)
 
 
 def normalized_args(node) -> dict | None:

@@ -21,14 +21,14 @@ import math
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpass import chunked_op, rowlocal
-from graphpass._torch_api import detect_fake_mode, float64_tensor_node, known_equal, stable_topological_sort
+from graphpass._torch_api import (detect_fake_mode, float64_tensor_node, known_equal, new_fake_mode, size_hint,
+                                  stable_topological_sort)
 from graphpass.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.records import Candidate, OutputRecord, SiteRecord
 from graphpass.regions import Region, find_regions, source_of
-from passes.tag_grad_flow import GRAD_FLOWS
+from graphpass.regions import GRAD_FLOWS
 
 log = logging.getLogger("graphpass")
 aten = torch.ops.aten
@@ -131,7 +131,7 @@ def _index_checks(region, input_nodes):
 
 def _validate(module, inputs, outputs):
     """Run the per-chunk program on small fake chunks: shapes must come out as [rows, w]."""
-    with FakeTensorMode():
+    with new_fake_mode():
         shapes = {WIDE: (3,), ROW: (3,), BCAST: (1,), SCALAR: ()}
         args = [torch.empty(shapes[spec.role] + ((spec.width,) if spec.role != SCALAR else ()), dtype=spec.dtype)
                 for spec in inputs]
@@ -196,6 +196,8 @@ def _site_record(region: Region, program: RegionProgram, input_nodes) -> SiteRec
         label = label_output(node)
         outputs.append(OutputRecord(label.kind, spec.keeps_grad, label.temperature))
     wide = input_nodes[program.wide_input_positions[0]].meta["val"]
+    vocab = size_hint(wide.shape[-1])
+    rows = size_hint(wide.numel()) // vocab if vocab else 0
     return SiteRecord(
         kind="+".join(o.kind for o in outputs),
         source=source_of(region.anchor),
@@ -205,4 +207,6 @@ def _site_record(region: Region, program: RegionProgram, input_nodes) -> SiteRec
         outputs=outputs,
         program_key=program.key,
         wide_inputs=len(program.wide_input_positions),
+        chunk_rows=program.rows_per_chunk(rows, vocab, wide.dtype.itemsize),
+        workspace_bytes=program.workspace_bytes(rows, vocab, wide.dtype.itemsize),
     )

@@ -56,7 +56,7 @@ def _requires_grad(gm, example_inputs, modes) -> dict:
     return requires
 
 
-def tag_grad_flow_pass(gm: torch.fx.GraphModule, example_inputs, **_) -> torch.fx.GraphModule:
+def tag_grad_flow_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Set `node.meta["graphpass.grad_flows"]`: True iff it requires grad and a gradient from
     the graph outputs can reach it.
 

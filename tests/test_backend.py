@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from passes import chunk_rowwise_regions
+from graphpass.passes import chunk_rowwise_regions
 
 V = 37
 

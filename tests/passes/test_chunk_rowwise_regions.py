@@ -8,7 +8,7 @@ import graphpass.chunked_op  # noqa: F401  (registers torch.ops.graphpass)
 from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
-from passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
+from graphpass.passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
 
 aten = torch.ops.aten
 T, V = 7, 11

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphpass
-import passes
+import graphpass.passes as passes
 from graphpass import pipeline
 from graphpass.records import GraphRecord
 

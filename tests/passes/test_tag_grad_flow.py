@@ -8,7 +8,7 @@ from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
 from graphpass.regions import GRAD_FLOWS
-from passes.tag_grad_flow import tag_grad_flow_pass
+from graphpass.passes.tag_grad_flow import tag_grad_flow_pass
 
 aten = torch.ops.aten
 
