@@ -11,7 +11,7 @@ After::
     op = graphpass.rowwise_chunked("r<hash>", [logits, idx], [], [T, T])
     lp, ent = op[0], op[1]
 
-The program behind the key runs the same ops on `[chunk, V]` slices; see `graphpass.chunked_op`.
+The program behind the key runs the same ops on `[chunk, V]` slices; see `graphpass.ops.chunked_op`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import operator
 
 import torch
 
-from graphpass import chunked_op, rowlocal
 from graphpass._torch_api import (detect_fake_mode, float64_tensor_node, known_equal, new_fake_mode, size_hint,
                                   stable_topological_sort)
-from graphpass.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
+from graphpass.analysis import rowlocal
+from graphpass.analysis.grad_flow import grad_flows
+from graphpass.analysis.regions import Region, find_regions, source_of
+from graphpass.ops import chunked_op
+from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.records import Candidate, OutputRecord, SiteRecord
-from graphpass.regions import Region, find_regions, source_of
-from graphpass.regions import GRAD_FLOWS
 
 log = logging.getLogger("graphpass")
 aten = torch.ops.aten
@@ -102,7 +103,7 @@ def _build_program(region: Region, config):
         lay = region.layouts[o]
         if not isinstance(val, torch.Tensor):
             raise RegionRejected(f"output {o.name} is not a tensor")
-        keeps = bool(o.meta.get(GRAD_FLOWS, True))
+        keeps = grad_flows(o) is not False
         outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, keeps))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
@@ -189,7 +190,7 @@ def _replace(graph, region: Region, program, input_nodes):
 
 
 def _site_record(region: Region, program: RegionProgram, input_nodes) -> SiteRecord:
-    from graphpass.recognize import label_output
+    from graphpass.analysis.recognize import label_output
 
     outputs = []
     for node, spec in zip(region.outputs, program.outputs):

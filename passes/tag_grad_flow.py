@@ -6,11 +6,11 @@ import numbers
 
 import torch
 
-from graphpass.regions import GRAD_FLOWS, grad_modes
+from graphpass.analysis.grad_flow import grad_modes, set_grad_flows
 
 aten = torch.ops.aten
 
-__all__ = ["GRAD_FLOWS", "tag_grad_flow_pass"]
+__all__ = ["tag_grad_flow_pass"]
 
 # Ops whose result carries no gradient to their inputs.
 _BLOCKS_GRAD = {
@@ -57,7 +57,7 @@ def _requires_grad(gm, example_inputs, modes) -> dict:
 
 
 def tag_grad_flow_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
-    """Set `node.meta["graphpass.grad_flows"]`: True iff it requires grad and a gradient from
+    """Tag each node (`graphpass.analysis.grad_flow.grad_flows`): True iff it requires grad and a gradient from
     the graph outputs can reach it.
 
     Blocked by detach, no_grad blocks, non-differentiable ops, and multiplication by a constant
@@ -75,5 +75,5 @@ def tag_grad_flow_pass(gm: torch.fx.GraphModule, example_inputs, *, config, reco
             for a in _edges_carrying_grad(node, modes):
                 flows[a] = requires.get(a, False)
     for node in nodes:
-        node.meta[GRAD_FLOWS] = flows[node]
+        set_grad_flows(node, flows[node])
     return gm

@@ -1,4 +1,4 @@
-"""graphpass.joint and graphpass.peephole: the per-chunk kernels, checked on tiny programs.
+"""graphpass.ops.joint and graphpass.ops.peephole: the per-chunk kernels, checked on tiny programs.
 
 The forward must save only narrow row statistics, the backward must not redo the forward's
 reductions, and both graphs together must give the same values and gradients as autograd
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphpass.joint import ArgSpec, JointSplit
+from graphpass.ops.joint import ArgSpec, JointSplit
 
 aten = torch.ops.aten
 V = 50

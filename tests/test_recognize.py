@@ -1,4 +1,4 @@
-"""Unit tests of `graphpass.recognize.label_output` on tiny pre-dispatch ATen graphs."""
+"""Unit tests of `graphpass.analysis.recognize.label_output` on tiny pre-dispatch ATen graphs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from graphpass.capture import capture as capture_graph
-from graphpass.recognize import OutputLabel, label_output
+from graphpass.analysis.recognize import OutputLabel, label_output
 
 T, V = 5, 7
 B, S = 2, 3

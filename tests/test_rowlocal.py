@@ -1,11 +1,11 @@
-"""Unit tests of `graphpass.rowlocal`: the canonical per-chunk emission of a region's ops."""
+"""Unit tests of `graphpass.analysis.rowlocal`: the canonical per-chunk emission of a region's ops."""
 
 from __future__ import annotations
 
 import torch
-from graphpass import rowlocal
+from graphpass.analysis import rowlocal
 from graphpass.capture import capture as capture_graph
-from graphpass.regions import find_regions
+from graphpass.analysis.regions import find_regions
 
 
 def _only_region(fn, *args, dynamic=False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import graphpass.chunked_op  # noqa: F401  (registers torch.ops.graphpass)
+import graphpass.ops.chunked_op  # noqa: F401  (registers torch.ops.graphpass)
 from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord

@@ -7,7 +7,7 @@ import torch
 from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
-from graphpass.regions import GRAD_FLOWS
+from graphpass.analysis.grad_flow import grad_flows
 from graphpass.passes.tag_grad_flow import tag_grad_flow_pass
 
 aten = torch.ops.aten
@@ -27,7 +27,7 @@ def tagged(fn, *args):
     tags = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            tags.setdefault(node.target, []).append(node.meta[GRAD_FLOWS])
+            tags.setdefault(node.target, []).append(grad_flows(node))
     return tags
 
 

@@ -19,7 +19,8 @@ import math
 import torch
 import torch.fx
 
-from graphpass import _torch_api, peephole
+from graphpass import _torch_api
+from graphpass.ops import peephole
 
 aten = torch.ops.aten
 

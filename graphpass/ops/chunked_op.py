@@ -4,7 +4,7 @@ A `RegionProgram` is the region's math on one chunk of rows, in a canonical 2-D 
 (`[rows, width]` tensors, `[1, width]` row-broadcast tensors, 0-d tensors for runtime scalars).
 The custom op `graphpass::rowwise_chunked(key, tensors, out_sizes)` runs a registered
 program chunk by chunk and returns its outputs followed by the row statistics its backward
-reads (`graphpass.joint`: e.g. each row's max and log-sum-exp, O(rows) bytes). It saves only
+reads (`graphpass.ops.joint`: e.g. each row's max and log-sum-exp, O(rows) bytes). It saves only
 its inputs and those statistics; its backward recomputes each chunk's wide values in one pass
 and writes the chunk's gradient straight into one buffer of the input's dtype. Both per-chunk
 kernels are compiled by the inner compiler, dynamic in the row count.
@@ -19,7 +19,7 @@ import itertools
 import torch
 
 from graphpass import _torch_api
-from graphpass.joint import ArgSpec, JointSplit
+from graphpass.ops.joint import ArgSpec, JointSplit
 
 # How an input tensor is laid out relative to the region's rows.
 WIDE = "wide"  # [*rows, V]: read through views, chunk by chunk; gradient buffer of its dtype

@@ -18,16 +18,12 @@ import operator
 
 import torch
 
-from graphpass import rowlocal
-from graphpass._torch_api import known_equal, set_grad_enabled
+from graphpass.analysis import rowlocal
+from graphpass._torch_api import known_equal
+from graphpass.analysis.grad_flow import grad_flows, grad_modes
 from graphpass.records import Candidate
 
 aten = torch.ops.aten
-
-#: node.meta key: True iff the node requires grad and a gradient from the graph outputs reaches
-#: it (set by passes.tag_grad_flow).
-GRAD_FLOWS = "graphpass.grad_flows"
-
 
 @dataclasses.dataclass
 class Region:
@@ -40,16 +36,6 @@ class Region:
     inputs: list[torch.fx.Node]  # outside nodes the region reads (tensors and sym scalars)
     outputs: list[torch.fx.Node]  # region nodes used outside it (narrow)
     place: torch.fx.Node  # the chunked op goes right after this region node
-
-
-def grad_modes(graph: torch.fx.Graph) -> dict:
-    """Grad mode in force at each node, following `_set_grad_enabled` calls in graph order."""
-    enabled, modes = torch.is_grad_enabled(), {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is set_grad_enabled:
-            enabled = bool(node.args[0])
-        modes[node] = enabled
-    return modes
 
 
 def source_of(node: torch.fx.Node) -> str:
@@ -264,7 +250,7 @@ def _grad_mode_conflict(nodes, outputs, place, modes) -> str | None:
     its outputs that sit before that place are moved after the op; they must not change mode.
     """
     inside = set(nodes)
-    if modes[place] and any(not modes[o] and o.meta.get(GRAD_FLOWS) is not False for o in outputs):
+    if modes[place] and any(not modes[o] and grad_flows(o) is not False for o in outputs):
         return "an output computed under no_grad is not tagged gradient-free (tag_grad_flow_pass)"
     moved, node = set(), nodes[0]
     while node is not place:
