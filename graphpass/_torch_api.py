@@ -230,3 +230,8 @@ def is_aten_overload(target) -> bool:
 def is_higher_order_op(target) -> bool:
     """True for a higher-order op such as `autograd_function_apply` (it calls subgraphs)."""
     return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def autograd_function_apply():
+    """The higher-order op Dynamo makes of a user `torch.autograd.Function` (forward, backward bodies)."""
+    return torch.ops.higher_order.autograd_function_apply

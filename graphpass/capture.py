@@ -236,28 +236,66 @@ def _check_stubbable(gm, node) -> None:
     outs = _example(node)
     if not isinstance(outs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outs):
         raise CantCapture(f"higher-order op {name} returns something other than a tuple of tensors")
-    for a in node.args:
-        if isinstance(a, torch.fx.Node) and a.op == "get_attr" and _mutates_inputs(getattr(gm, a.target)):
+    for body in _forward_bodies(gm, node):
+        if _mutates_inputs(body):
             raise CantCapture(f"higher-order op {name} mutates its inputs")
+
+
+def _forward_bodies(gm, node) -> list:
+    """The subgraphs `node` runs in the forward (an autograd.Function's backward runs later, on
+    tensors of its own: mutating them is invisible here)."""
+    bodies = [getattr(gm, a.target) for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    if node.target is _torch_api.autograd_function_apply():
+        return bodies[:1]
+    return bodies
 
 
 def _example(node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+#: Tensor methods and functions whose result may share its input's memory (a view, or the input
+#: itself when nothing changes, as `x.float()` of a float tensor).
+_MAY_ALIAS = {
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+    "transpose", "swapaxes", "swapdims", "permute", "movedim", "t", "T", "mT", "H", "mH", "adjoint",
+    "expand", "expand_as", "narrow", "select", "diagonal", "as_strided", "unfold", "split",
+    "split_with_sizes", "chunk", "unbind", "tensor_split", "detach", "contiguous", "to", "type",
+    "type_as", "float", "double", "half", "bfloat16", "real", "imag", "view_as_real", "view_as_complex",
+    "alias", "getitem", "data", "requires_grad_", "__getitem__",
+}
+
+
 def _mutates_inputs(body) -> bool:
-    """Conservatively: the body calls an in-place method, a setitem or an out= op anywhere."""
+    """Whether `body` may write into memory it did not allocate: an in-place op, a setitem or an
+    out= argument whose target is one of its inputs or a possible alias of one. Tensors the body
+    creates itself (`e = x.exp(); e.div_(s)`) may be mutated freely."""
     if not isinstance(body, torch.fx.GraphModule):
         return False
+    aliases_input = set(body.graph.find_nodes(op="placeholder"))
     for node in body.graph.nodes:
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if node.op in ("call_method", "call_function") and (
-                (name.endswith("_") and not name.endswith("__")) or node.target is operator.setitem
-                or "out" in node.kwargs):
+        name = _callee_name(node)
+        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        if name in _MAY_ALIAS and args and args[0] in aliases_input:
+            aliases_input.add(node)
+        written = []
+        if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__"):
+            written = args[:1]
+        out = node.kwargs.get("out")
+        written += [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.fx.Node)]
+        if any(w in aliases_input for w in written):
             return True
         if node.op == "get_attr" and _mutates_inputs(getattr(body, node.target, None)):
-            return True
+            return True  # a nested body: conservative
     return False
+
+
+def _callee_name(node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "")
+    return ""
 
 
 # ---- 3. after the export ------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Unit tests of `sink_row_slices_pass`: slices move above elementwise ops, values unchanged."""
+
+from __future__ import annotations
+
+import torch
+
+from graphpass.capture import capture
+from graphpass.config import Config
+from graphpass.passes.sink_row_slices import sink_row_slices_pass
+from graphpass.records import GraphRecord
+
+aten = torch.ops.aten
+
+
+def sunk(fn, *args):
+    """(graph after the pass, the captured fakes) for `fn`'s captured ATen graph."""
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append(capture(gm, example_inputs))
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (c,) = captured
+    gm = sink_row_slices_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _first_op_reading_input(gm):
+    placeholder = next(iter(gm.graph.find_nodes(op="placeholder")))
+    return next(iter(placeholder.users)).target
+
+
+def test_shifted_slice_moves_onto_the_logits():
+    def fn(logits, bias):
+        return ((logits / 0.7 + bias)[:, :-1],)
+
+    logits, bias = torch.randn(2, 5, 7), torch.randn(7)
+    gm = sunk(fn, logits, bias)
+    assert _first_op_reading_input(gm) is aten.slice.Tensor  # the division now reads a slice
+    torch.testing.assert_close(gm(logits, bias)[0], fn(logits, bias)[0])
+
+
+def test_split_chunks_each_scale_their_own_slice():
+    def fn(logits):
+        return tuple(chunk.exp() for chunk in (logits * 2.0).split(3))
+
+    logits = torch.randn(8, 5)
+    gm = sunk(fn, logits)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.split.Tensor)
+    for a, b in zip(gm(logits), fn(logits)):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_op_read_whole_elsewhere_stays():
+    def fn(logits):
+        scaled = logits / 0.7
+        return scaled[:, :-1].sum(), scaled.sum()
+
+    logits = torch.randn(4, 6)
+    gm = sunk(fn, logits)
+    assert _first_op_reading_input(gm) is aten.div.Tensor
+    for a, b in zip(gm(logits), fn(logits)):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_random_op_never_moves():
+    def fn(logits):
+        return (torch.nn.functional.dropout(logits, 0.5)[:, :-1],)
+
+    gm = sunk(fn, torch.randn(4, 6))
+    assert _first_op_reading_input(gm) is not aten.slice.Tensor
