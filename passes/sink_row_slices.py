@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from graphpass._torch_api import is_aten_overload, same_size
+from graphpass.analysis.rowlocal import derives_from_reduction
 
 aten = torch.ops.aten
 
@@ -36,7 +37,8 @@ def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, re
     while changed:
         changed = False
         for node in list(gm.graph.nodes):
-            if _is_elementwise(node) and node.users and all(_is_slice(u) for u in node.users):
+            if (_is_elementwise(node) and node.users and all(_is_slice(u) for u in node.users)
+                    and not derives_from_reduction(node)):  # per-token math stays as written
                 _sink(gm.graph, node)
                 changed = True
     gm.graph.eliminate_dead_code()

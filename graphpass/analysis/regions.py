@@ -218,7 +218,7 @@ def _finish(grower: _Grower, order, regions) -> str | None:
     if not any(grower.is_wide(a) for a in inputs if _is_tensor_node(a)):
         return "it reads no [rows, V] input"
     if not any(n.target in rowlocal.NORMALISERS for n in nodes) and any(
-            _reduced(a) for a in inputs if _is_tensor_node(a) and grower.is_wide(a)):
+            rowlocal.derives_from_reduction(a) for a in inputs if _is_tensor_node(a) and grower.is_wide(a)):
         # Only a softmax written out by hand gets here; over per-token values (a masked mean of
         # ratios over [B, S]) it is not a vocabulary: chunking it would only add an op.
         return "its [rows, V] input was computed by a reduction or gather: not logits"
@@ -245,20 +245,6 @@ def _place(nodes, modes) -> torch.fx.Node:
     its last node computed with grad, so the op runs with grad."""
     with_grad = [n for n in nodes if modes[n]]
     return with_grad[-1] if with_grad else nodes[-1]
-
-
-def _reduced(node) -> bool:
-    """True if `node` or anything it is computed from reduces over a dim or gathers."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and (n.target in rowlocal.ANCHORS or n.target in rowlocal.TOKEN_ID_OPS):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _grad_mode_conflict(nodes, outputs, place, modes) -> str | None:

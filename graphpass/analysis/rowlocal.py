@@ -129,6 +129,21 @@ ANCHORS = NORMALISERS | {aten.amax.default, aten.max.dim, aten.sum.dim_IntList}
 _BROADCASTS = {aten.broadcast_tensors.default}
 
 
+def derives_from_reduction(node) -> bool:
+    """True if `node` or anything it is computed from reduces over a dim or gathers: a per-token
+    value, never logits."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and (n.target in ANCHORS or n.target in TOKEN_ID_OPS):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def is_pointwise(target) -> bool:
     return target in _IDENTITY_LIKE or target in _BROADCASTS or (
         is_aten_overload(target) and torch.Tag.pointwise in target.tags)
