@@ -11,8 +11,9 @@ After::
 
 The slice of an input is a view, so the region that reads `shifted` now reaches the logits
 themselves and scales each chunk on the fly: the `[B, S, V]` scaled copy is gone. Values are
-unchanged (an elementwise op commutes with slicing). An op moves only when every reader is a
-slice, so no reader needs the whole result; a chunk loop's `split` counts as slices.
+unchanged (an elementwise op commutes with slicing). An op moves only when every reader picks
+rows (a slice, a chunk loop's `split`, a per-sequence loop's `select`) or reshapes it, so no
+reader needs the whole result and nothing is computed twice.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import operator
 import torch
 import torch.fx
 
-from graphpass._torch_api import is_aten_overload, same_size
+from graphpass._torch_api import detect_fake_mode, is_aten_overload, same_size
 from graphpass.analysis.rowlocal import derives_from_reduction
 
 aten = torch.ops.aten
@@ -31,13 +32,13 @@ aten = torch.ops.aten
 def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Rewrite `slice(f(a, b), ...)` into `f(slice(a), slice(b))` while `f` is elementwise."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.split.Tensor and _is_elementwise(node.args[0]):
+        if node.op == "call_function" and node.target is aten.split.Tensor:
             _split_as_slices(gm.graph, node)
     changed = True
     while changed:
         changed = False
         for node in list(gm.graph.nodes):
-            if (_is_elementwise(node) and node.users and all(_is_slice(u) for u in node.users)
+            if (_is_elementwise(node) and node.users and all(_movable(u, node) for u in node.users)
                     and not derives_from_reduction(node)):  # per-token math stays as written
                 _sink(gm.graph, node)
                 changed = True
@@ -45,19 +46,59 @@ def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, re
     return gm
 
 
+#: Readers a slice can move past: they pick rows (a chunk, one sequence of a batch, `[:, :-1]`)
+#: or, when every operand has the full shape, only reshape.
+_PICKS = {aten.slice.Tensor, aten.select.int}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _movable(user, source) -> bool:
+    if user.op != "call_function" or user.args[0] is not source:
+        return False
+    if user.target in _PICKS:
+        return True
+    # A reshape moves only onto contiguous operands, where it stays a view (never a copy).
+    shape = source.meta["val"].shape
+    return user.target in _RESHAPES and all(
+        a.meta["val"].ndim == 0 or (_same_shape(a.meta["val"].shape, shape) and a.meta["val"].is_contiguous())
+        for a in source.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+
+
 def _sink(graph: torch.fx.Graph, source: torch.fx.Node) -> None:
-    """Replace each slice of `source` by `source`'s op applied to slices of its operands."""
-    out_shape = source.meta["val"].shape
-    for sliced in list(source.users):
-        dim = (sliced.args[1] if len(sliced.args) > 1 else 0) % len(out_shape)
-        with graph.inserting_before(sliced):
-            args = [_slice_operand(graph, a, sliced, dim, out_shape) for a in source.args]
+    """Replace each reader of `source` by `source`'s op applied to its operands read alike."""
+    fake_mode = detect_fake_mode([source.meta["val"]])
+    for user in list(source.users):
+        with graph.inserting_before(user):
+            args = [_read_alike(graph, a, user, source, fake_mode) for a in source.args]
             moved = graph.call_function(source.target, tuple(args), dict(source.kwargs))
         moved.meta.update(source.meta)
-        moved.meta["val"] = sliced.meta["val"]
-        sliced.replace_all_uses_with(moved)
-        graph.erase_node(sliced)
+        moved.meta["val"] = user.meta["val"]
+        user.replace_all_uses_with(moved)
+        graph.erase_node(user)
     graph.erase_node(source)
+
+
+def _read_alike(graph, arg, user, source, fake_mode):
+    """`arg` read as `user` reads `source` (a slice, select or reshape); broadcast operands kept."""
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.ndim == 0:
+        return arg
+    rest = list(user.args[1:])
+    if user.target in _PICKS:
+        out_ndim = source.meta["val"].ndim
+        dim = rest[0] % out_ndim - (out_ndim - val.ndim)  # operands align from the right
+        if dim < 0:
+            return arg
+        if same_size(val.shape[dim], 1):
+            if user.target is aten.slice.Tensor:
+                return arg  # broadcasts over the picked rows as over all of them
+            rest = [dim, 0]
+        else:
+            rest[0] = dim
+    new = graph.call_function(user.target, (arg, *rest), dict(user.kwargs))
+    with fake_mode:
+        new.meta["val"] = user.target(val, *rest, **user.kwargs)
+    return new
 
 
 def _split_as_slices(graph, split) -> None:
@@ -76,28 +117,8 @@ def _split_as_slices(graph, split) -> None:
     graph.erase_node(split)
 
 
-def _slice_operand(graph, arg, sliced, dim, out_shape):
-    """`arg` sliced like the output when it spans the sliced dim; broadcast operands as they are."""
-    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor):
-        return arg
-    offset = len(out_shape) - val.ndim  # operands align from the right
-    if dim < offset or same_size(val.shape[dim - offset], 1):
-        return arg
-    new = graph.call_function(aten.slice.Tensor, (arg, dim - offset, *sliced.args[2:]), dict(sliced.kwargs))
-    fake = val[(slice(None),) * (dim - offset) + (slice(*_bounds(sliced)),)]
-    new.meta["val"] = fake
-    return new
-
-
-def _bounds(sliced):
-    args = list(sliced.args[2:]) + [None] * (3 - len(sliced.args[2:]))
-    start, end, step = args[:3]
-    return start, end, 1 if step is None else step
-
-
-def _is_slice(node) -> bool:
-    return node.op == "call_function" and node.target is aten.slice.Tensor
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def _is_elementwise(node) -> bool:

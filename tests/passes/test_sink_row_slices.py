@@ -72,3 +72,28 @@ def test_a_random_op_never_moves():
 
     gm = sunk(fn, torch.randn(4, 6))
     assert _first_op_reading_input(gm) is not aten.slice.Tensor
+
+
+def test_per_sequence_loop_and_contiguous_reshape_move():
+    def fn(logits):
+        scaled = logits / 0.7
+        rows = tuple(scaled[i].sum() for i in range(logits.shape[0]))  # select(scaled, 0, i)
+        return rows
+
+    logits = torch.randn(3, 4, 5)
+    gm = sunk(fn, logits)
+    placeholder = next(iter(gm.graph.find_nodes(op="placeholder")))
+    assert {u.target for u in placeholder.users} == {aten.select.int}  # each row scaled on its own
+    for a, b in zip(gm(logits), fn(logits)):
+        torch.testing.assert_close(a, b)
+
+
+def test_reshape_of_a_strided_slice_stays_put():
+    def fn(logits):
+        scaled = logits[:, :-1] / 0.7  # strided: reshaping it would copy
+        return tuple(c.exp() for c in scaled.reshape(-1, logits.shape[-1]).split(2))
+
+    logits = torch.randn(2, 4, 5)
+    gm = sunk(fn, logits)
+    for a, b in zip(gm(logits), fn(logits)):
+        torch.testing.assert_close(a, b)
