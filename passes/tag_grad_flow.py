@@ -6,25 +6,12 @@ import numbers
 
 import torch
 
+from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes, set_grad_flows
 
 aten = torch.ops.aten
 
 __all__ = ["tag_grad_flow_pass"]
-
-# Ops whose result carries no gradient to their inputs.
-_BLOCKS_GRAD = {
-    aten.detach.default, aten.argmax.default, aten.argmin.default, aten.sign.default,
-    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
-    aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
-    aten.isnan.default, aten.isinf.default, aten.isfinite.default, aten.logical_not.default,
-    aten.logical_and.default, aten.logical_or.default, aten.floor.default, aten.ceil.default,
-    aten.round.default, aten.trunc.default, aten.zeros_like.default, aten.ones_like.default,
-    aten.empty_like.default, aten.full_like.default, aten.item.default,
-}
-_MUL = {aten.mul.Tensor, aten.mul.Scalar}
-_MASK_ARG = {aten.where.self: 0, aten.masked_fill.Scalar: 1, aten.masked_fill.Tensor: 1}
-
 
 def _is_zero_constant(x) -> bool:
     return isinstance(x, numbers.Number) and not isinstance(x, bool) and x == 0
@@ -32,12 +19,12 @@ def _is_zero_constant(x) -> bool:
 
 def _edges_carrying_grad(node, modes):
     """The inputs of `node` that receive a gradient from it (if it requires grad at all)."""
-    if node.op != "call_function" or not modes[node] or node.target in _BLOCKS_GRAD:
+    if node.op != "call_function" or not modes[node] or node.target in catalogue.BLOCKS_GRAD:
         return []
-    if node.target in _MUL and any(_is_zero_constant(a) for a in node.args):
+    if node.target in catalogue.MULTIPLIES and any(_is_zero_constant(a) for a in node.args):
         return []  # a constant-0 coefficient: `0.0 * entropy.mean()`
-    if node.target in _MASK_ARG:  # the boolean mask receives no gradient
-        mask = node.args[_MASK_ARG[node.target]]
+    if node.target in catalogue.MASK_ARG:  # the boolean mask receives no gradient
+        mask = node.args[catalogue.MASK_ARG[node.target]]
         return [a for a in node.all_input_nodes if a is not mask]
     return node.all_input_nodes
 

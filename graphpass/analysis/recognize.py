@@ -39,6 +39,8 @@ import operator
 import torch
 import torch.fx
 
+from graphpass.analysis import catalogue
+
 aten = torch.ops.aten
 
 LOGPROB = "logprob"
@@ -268,15 +270,9 @@ def _factor_desc(op: str, factor) -> str:
 # The evaluator
 
 
-_VIEWS = {
-    aten.view, aten.reshape, aten._unsafe_view, aten.squeeze, aten.unsqueeze, aten.expand,
-    aten.flatten, aten.unflatten, aten.view_as, aten.reshape_as, aten.expand_as,
-}
+_VIEWS = catalogue.packets(catalogue.VIEWS)
 # Ops that change neither values nor layout (dtype casts change precision, not meaning).
-_CASTS = {
-    aten.to, aten._to_copy, aten.clone, aten.detach, aten.alias, aten.contiguous,
-    aten.lift_fresh_copy, aten.type_as,
-}
+_CASTS = catalogue.packets(catalogue.CASTS)
 _INDEX_TRANSPARENT = _VIEWS | _CASTS
 
 

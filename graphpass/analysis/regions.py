@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from graphpass.analysis import rowlocal
+from graphpass.analysis import catalogue, rowlocal
 from graphpass._torch_api import known_equal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
 from graphpass.records import Candidate
@@ -49,18 +49,6 @@ def source_of(node: torch.fx.Node) -> str:
     path = parts[1] if len(parts) > 2 else "?"
     line = lines[-1].split("line ")[-1].split(",")[0]
     return f"{path.rsplit('/', 1)[-1]}:{line}"
-
-
-#: Narrow ops that finish a quantity: a sign flip, views, casts, and the log of a hand-written
-#: softmax's sum or picked probability (`log(sum(exp(x - m)))`, `log(p.gather(...))`).
-_FINISHING = {
-    aten.neg.default, aten.log.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-    aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.view_as.default,
-    aten.reshape_as.default, aten.to.dtype, aten._to_copy.default, operator.getitem,
-}
-#: Finishing only as the sole reader of their input (`-x.sum(-1).detach()`); beside other
-#: readers they make a logged copy, which stays outside rather than becoming a second output.
-_FINISHING_IF_ONLY_READER = {aten.detach.default, aten.alias.default}
 
 
 def _wide(layout, vocab) -> bool:
@@ -161,8 +149,8 @@ class _Grower:
                     if u in self.nodes or u.op != "call_function":
                         continue
                     inputs = [a for a in rowlocal.data_inputs(u) if _is_tensor_node(a)]
-                    finishing = (u.target in _FINISHING or len(set(inputs)) >= 2
-                                 or (u.target in _FINISHING_IF_ONLY_READER and len(node.users) == 1))
+                    finishing = (u.target in catalogue.FINISHING or len(set(inputs)) >= 2
+                                 or (u.target in catalogue.FINISHING_IF_ONLY_READER and len(node.users) == 1))
                     if finishing and all(a in self.nodes for a in inputs) and self.try_add(u) is None:
                         changed = True
 

@@ -19,6 +19,7 @@ import operator
 import torch
 
 from graphpass._torch_api import is_aten_overload, known_equal
+from graphpass.analysis import catalogue
 
 aten = torch.ops.aten
 
@@ -80,53 +81,17 @@ def rows_and_vocab(anchor):
     return math.prod(shape[:-1]), shape[-1]
 
 
-# ---- op families ------------------------------------------------------------------------
-_IDENTITY_LIKE = {
-    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
-    aten.detach.default, aten.alias.default, aten.contiguous.default, aten.type_as.default,
-    aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.zeros_like.default,
-    aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
-    aten.special_entr.default, aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other,
-    aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
-}
-_VIEWS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
-    aten.expand.default, aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
-}
-#: Ops whose second argument contributes only its shape or dtype, never its values.
-SHAPE_ONLY_SECOND_ARG = {aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
-                         aten.type_as.default}
+# ---- op families (graphpass.analysis.catalogue) ------------------------------------------
+_VIEWS, _REDUCTIONS, _REDUCTIONS_INT_DIM = catalogue.VIEWS, catalogue.REDUCTIONS, catalogue.REDUCTIONS_INT_DIM
+_SOFTMAX, _GATHER, _NLL = catalogue.SOFTMAX, catalogue.GATHERS, catalogue.LOSSES
+TOKEN_ID_OPS, NORMALISERS, ANCHORS = catalogue.TOKEN_ID_OPS, catalogue.NORMALISERS, catalogue.ANCHORS
 
 
 def data_inputs(node) -> list:
     """The input nodes whose values `node` reads."""
-    if node.target in SHAPE_ONLY_SECOND_ARG:
+    if node.target in catalogue.SHAPE_ONLY_SECOND_ARG:
         return [node.args[0]] if isinstance(node.args[0], torch.fx.Node) else []
     return list(node.all_input_nodes)
-_REDUCTIONS = {  # over the last dim; `dim` is a list for these
-    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-    aten.logsumexp.default, aten.any.dims, aten.all.dims,
-}
-_REDUCTIONS_INT_DIM = {aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim,
-                       aten.any.dim, aten.all.dim, aten.prod.dim_int}
-_SOFTMAX = {aten.log_softmax.int, aten.softmax.int, aten._log_softmax.default, aten._softmax.default}
-_GATHER = {aten.gather.default, aten.take_along_dim.default}
-_NLL = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
-#: Ops that index the vocabulary with token ids (gather's `index`, the losses' `target`).
-TOKEN_ID_OPS = _GATHER | _NLL
-
-#: Ops that normalise a distribution over the vocabulary; a region must contain one.
-NORMALISERS = _SOFTMAX | {aten.logsumexp.default} | _NLL
-#: Ops that start a region: the normalisers, and the reductions over the vocabulary a softmax
-#: written out by hand begins with (`x - x.max(-1)`, then `exp`, then `e / e.sum(-1)`).
-ANCHORS = NORMALISERS | {aten.amax.default, aten.max.dim, aten.sum.dim_IntList}
-
-
-#: Elementwise broadcasting of a list of operands, one output each (Categorical.log_prob
-#: broadcasts the token index against the log-probs).
-_BROADCASTS = {aten.broadcast_tensors.default}
 
 
 def derives_from_reduction(node) -> bool:
@@ -145,7 +110,7 @@ def derives_from_reduction(node) -> bool:
 
 
 def is_pointwise(target) -> bool:
-    return target in _IDENTITY_LIKE or target in _BROADCASTS or (
+    return target in catalogue.ELEMENTWISE or target in catalogue.BROADCASTS or (
         is_aten_overload(target) and torch.Tag.pointwise in target.tags)
 
 

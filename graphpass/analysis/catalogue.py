@@ -1,0 +1,94 @@
+"""The one catalogue of ATen ops graphpass knows, by what they do.
+
+Every analysis reads its op families from here: the row-local check (`rowlocal`), region growth
+(`regions`), grad flow (`passes.tag_grad_flow`) and the labels (`recognize`, by overload packet).
+An op in no family is not understood, and is therefore a region boundary.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+aten = torch.ops.aten
+
+# ---- values unchanged in meaning ----------------------------------------------------------------
+#: Casts and copies: same values (dtype aside), same layout.
+CASTS = {
+    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default, aten.detach.default,
+    aten.alias.default, aten.contiguous.default, aten.type_as.default, aten.lift_fresh_copy.default,
+}
+#: Views and reshapes: same values, another shape.
+VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
+    aten.unflatten.int, aten.expand.default, aten.view_as.default, aten.reshape_as.default,
+    aten.expand_as.default,
+}
+#: Ops whose second argument contributes only its shape or dtype, never its values.
+SHAPE_ONLY_SECOND_ARG = {aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
+                         aten.type_as.default}
+
+# ---- elementwise ops the pointwise tag misses ----------------------------------------------------
+#: Masks: `where(mask, x, fill)`, `masked_fill(x, mask, fill)`; value -> the position of the mask.
+MASK_ARG = {aten.where.self: 0, aten.where.ScalarSelf: 0, aten.where.ScalarOther: 0, aten.where.Scalar: 0,
+            aten.masked_fill.Scalar: 1, aten.masked_fill.Tensor: 1}
+#: Elementwise in effect (one output element per input element), besides casts and masks.
+ELEMENTWISE = CASTS | set(MASK_ARG) | {
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+    aten.special_entr.default, aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other,
+    aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+}
+#: Broadcasting of a list of operands, one output each (Categorical.log_prob's index).
+BROADCASTS = {aten.broadcast_tensors.default}
+
+# ---- over the vocabulary (the last dim) ------------------------------------------------------------
+#: Reductions whose `dim` is a list.
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+              aten.logsumexp.default, aten.any.dims, aten.all.dims}
+#: Reductions whose `dim` is an int.
+REDUCTIONS_INT_DIM = {aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim,
+                      aten.any.dim, aten.all.dim, aten.prod.dim_int}
+SOFTMAX = {aten.log_softmax.int, aten.softmax.int, aten._log_softmax.default, aten._softmax.default}
+GATHERS = {aten.gather.default, aten.take_along_dim.default}
+#: Per-token losses; their class dim is 1 ([N, V] or a transposed [B, V, S]).
+LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+#: Ops that index the vocabulary with token ids (gather's `index`, the losses' `target`).
+TOKEN_ID_OPS = GATHERS | LOSSES
+#: Ops that normalise a distribution over the vocabulary; a region must contain one (or an exp).
+NORMALISERS = SOFTMAX | {aten.logsumexp.default} | LOSSES
+#: Ops that start a region: the normalisers, and the reductions over the vocabulary a softmax
+#: written out by hand begins with (`x - x.max(-1)`, then `exp`, then `e / e.sum(-1)`).
+ANCHORS = NORMALISERS | {aten.amax.default, aten.max.dim, aten.sum.dim_IntList}
+
+# ---- narrow ops that finish a quantity --------------------------------------------------------------
+#: A sign flip, views, casts, and the log of a hand-written softmax's sum or picked probability
+#: (`log(sum(exp(x - m)))`, `log(p.gather(...))`).
+FINISHING = {
+    aten.neg.default, aten.log.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.view_as.default,
+    aten.reshape_as.default, aten.to.dtype, aten._to_copy.default, operator.getitem,
+}
+#: Finishing only as the sole reader of their input (`-x.sum(-1).detach()`); beside other readers
+#: they make a logged copy, which stays outside rather than becoming a second output.
+FINISHING_IF_ONLY_READER = {aten.detach.default, aten.alias.default}
+
+# ---- gradients ------------------------------------------------------------------------------------------
+#: Ops whose result carries no gradient to their inputs (or a zero one).
+BLOCKS_GRAD = {
+    aten.detach.default, aten.argmax.default, aten.argmin.default, aten.sign.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+    aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+    aten.isnan.default, aten.isinf.default, aten.isfinite.default, aten.logical_not.default,
+    aten.logical_and.default, aten.logical_or.default, aten.floor.default, aten.ceil.default,
+    aten.round.default, aten.trunc.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.empty_like.default, aten.full_like.default, aten.item.default,
+}
+MULTIPLIES = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def packets(ops) -> set:
+    """The overload packets of `ops` (`aten.view` for `aten.view.default`), for the labeller,
+    which reads any overload of an op alike."""
+    return {op.overloadpacket for op in ops if hasattr(op, "overloadpacket")}
