@@ -333,3 +333,16 @@ def _apply_input_mutations(graph: torch.fx.Graph, mutated_inputs: list) -> None:
         for position, value in zip(mutated_inputs, values):
             graph.call_function(aten.copy_.default, (placeholders[position], value))
     output.args = (tuple(values[len(mutated_inputs):]),)
+
+
+def capture_function(fn, *args) -> Captured:
+    """The capture of the one graph Dynamo makes of `fn(*args)` (for tests and debugging)."""
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append(capture(gm, example_inputs))
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (result,) = captured
+    return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import graphpass.ops.chunked_op  # noqa: F401  (registers torch.ops.graphpass)
-from graphpass.capture import capture
+from graphpass.capture import capture_function
 from graphpass.config import Config
 from graphpass.records import GraphRecord
 from graphpass.passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
@@ -17,14 +17,7 @@ T, V = 7, 11
 def rewritten(fn, *args):
     """(graph after the pass, its placeholders, the record) for `fn`'s captured ATen graph; the
     graph's code before the pass is kept as `gm.code_before`."""
-    captured = []
-
-    def backend(gm, example_inputs):
-        captured.append(capture(gm, example_inputs))
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    (c,) = captured
+    c = capture_function(fn, *args)
     record = GraphRecord(index=0)
     code_before = c.gm.code
     gm = chunk_rowwise_regions_pass(c.gm, c.fakes, config=Config(chunk_size=3, inner="eager"), record=record)

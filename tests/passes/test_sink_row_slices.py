@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphpass.capture import capture
+from graphpass.capture import capture_function
 from graphpass.config import Config
 from graphpass.passes.sink_row_slices import sink_row_slices_pass
 from graphpass.records import GraphRecord
@@ -13,15 +13,8 @@ aten = torch.ops.aten
 
 
 def sunk(fn, *args):
-    """(graph after the pass, the captured fakes) for `fn`'s captured ATen graph."""
-    captured = []
-
-    def backend(gm, example_inputs):
-        captured.append(capture(gm, example_inputs))
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    (c,) = captured
+    """`fn`'s captured ATen graph after the pass."""
+    c = capture_function(fn, *args)
     gm = sink_row_slices_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
     gm.graph.lint()
     gm.recompile()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphpass.capture import capture
+from graphpass.capture import capture_function
 from graphpass.config import Config
 from graphpass.records import GraphRecord
 from graphpass.analysis.grad_flow import grad_flows
@@ -15,14 +15,7 @@ aten = torch.ops.aten
 
 def tagged(fn, *args):
     """`fn`'s captured ATen graph after the pass: {op overload: [tag of each node calling it]}."""
-    captured = []
-
-    def backend(gm, example_inputs):
-        captured.append(capture(gm, example_inputs))
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    (c,) = captured
+    c = capture_function(fn, *args)
     gm = tag_grad_flow_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
     tags = {}
     for node in gm.graph.nodes:
