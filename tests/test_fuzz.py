@@ -105,16 +105,23 @@ def test_programs_are_determined_by_their_seed_and_run_eagerly():
             assert all(torch.isfinite(g).all() for g in grads.values()), seed
 
 
+# The fixed seeds run with the eager inner compiler: the capture and the passes are the same, and
+# compiling every site's per-chunk kernels (60% of an aot_eager run) would take the 100 programs
+# from about 2.5 to 6 minutes on 2 cores. The hypothesis test and `python -m bench.fuzz` use aot_eager.
+FIXED_SEEDS_INNER = "eager"
+
+
 def test_fixed_seeds_match_eager():
-    """Seeds 0..99 (2 to 4 minutes on 2 cores): every program's results equal eager's."""
+    """Seeds 0..99 (about 2.5 minutes on 2 cores): every program's results equal eager's."""
     workers = min(2, os.cpu_count() or 1)
-    results = fuzz.run_seeds(range(100), inner="aot_eager", workers=workers)
+    results = fuzz.run_seeds(range(100), inner=FIXED_SEEDS_INNER, workers=workers)
     bad = [f"{r.name}: {r.mismatch}" for r in results if r.mismatch]
-    assert not bad, f"{len(bad)} mismatches (show one: python -m bench.fuzz --seed N -n 1 --show):\n" + "\n".join(bad)
-    # The fuzzer must exercise the rewrite, not only run graphs unchanged (about half of the
-    # programs were rewritten at the time of writing; checkpoint bodies still fell back).
+    assert not bad, (f"{len(bad)} mismatches (show one: python -m bench.fuzz --seed N -n 1 --show "
+                     f"--inner {FIXED_SEEDS_INNER}):\n" + "\n".join(bad))
+    # The fuzzer must exercise the rewrite, not only run graphs unchanged (98 of the 100 programs
+    # were rewritten at the time of writing): fewer means lost coverage of real loss code.
     rewritten = sum(r.sites > 0 for r in results)
-    assert rewritten >= 30, f"only {rewritten} of 100 programs were rewritten"
+    assert rewritten >= 80, f"only {rewritten} of 100 programs were rewritten"
 
 
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,
