@@ -33,8 +33,13 @@ from bench.fuzz_programs import Program, generate, random_draw
 # Relative tolerance on top of 2 x eager's error, times the reference's largest magnitude (at
 # least 1 for outputs: a statistic such as mean(old_logp - logp) is a small difference of O(1)
 # values, each rounded differently by eager and by the chunked op). A bf16 program is compared
-# at bf16 precision throughout: its fp32 statistics are sums of bf16 values.
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# at bf16 precision throughout: its fp32 statistics are sums of bf16 values. Eager's bf16 CPU
+# kernels round intermediates (a logsumexp rounded step by step) where the chunked op accumulates
+# in fp32 and rounds once, so a per-token bf16 value (a log-prob, a row's log-sum-exp) can land
+# one ulp (2^-8 relative) apart; exp(logp - old_logp) and the entropy's row terms carry that flip
+# into a whole row of the gradient. 2^-5 allows a few such flips (seeds 444 and 992 of 1000 were
+# 1.02x and 1.10x the bound under 1e-2; fp32 programs, same structures, stay at 1e-5).
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-5}
 ATOL = 1e-7  # floor for all-zero gradients
 
 
