@@ -111,6 +111,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
     mutated = [user_inputs.index(signature.user_inputs_to_mutate[name])
                for name in list(signature.user_inputs_to_mutate)]
     _decompose_functional_copy(exported.graph)
+    _read_back_writes(exported.graph)
     exported.graph.lint()
     exported.recompile()
     return Captured(exported, fakes, hops, mutated)
@@ -322,6 +323,27 @@ def _decompose_functional_copy(graph: torch.fx.Graph) -> None:
                 n.meta["stack_trace"] = node.meta["stack_trace"]
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+def _read_back_writes(graph: torch.fx.Graph) -> None:
+    """`slice(slice_scatter(base, src, d, s, e), d, s, e)` -> `src`: reading back exactly the span
+    just written (functionalized `x[:, 3:].div_(T)`, then `x[:, 3:]`) is the written value, so a
+    region reads the scaling op instead of a copy of the whole buffer."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.slice.Tensor)):
+        scatter = node.args[0]
+        if scatter.op != "call_function" or scatter.target is not aten.slice_scatter.default:
+            continue
+        span, written = _slice_span(node.args[1:], node.kwargs), _slice_span(scatter.args[2:], scatter.kwargs)
+        src = scatter.args[1]
+        if span == written and tuple(src.meta["val"].shape) == tuple(node.meta["val"].shape):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+
+
+def _slice_span(args, kwargs) -> tuple:
+    """(dim, start, end, step) of a slice's or slice_scatter's trailing arguments."""
+    names, defaults = ("dim", "start", "end", "step"), (0, None, None, 1)
+    return tuple(args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults)))
 
 
 def _apply_input_mutations(graph: torch.fx.Graph, mutated_inputs: list) -> None:

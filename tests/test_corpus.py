@@ -29,22 +29,6 @@ PARAMS = [pytest.param(c.name, d, id=f"{c.name}-{d}",
                        marks=[] if d == "fp32" or c.name in DEFAULT_BF16 else [pytest.mark.slow])
           for c in CASES for d in c.dtypes]
 
-# Coverage graphpass does not reach yet (values and gradients are right: test_parity). A loop
-# Dynamo unrolled over rows or chunks of *scaled* logits (`logits.div_(T)`, then a per-row
-# `log_softmax` loop and a chunked entropy loop) leaves the scaling outside every per-chunk region,
-# so one scaled [rows, V] copy remains; folding the unrolled loop back into one region would fix it.
-_UNROLLED_SCALED = "unrolled loop over scaled logits: the scaling stays outside the per-chunk regions"
-_ONE_D_ROWS = "logsumexp over 1-D rows stacked by a Python loop is not a region (0-d outputs)"
-KNOWN_GAPS = {  # (case, dtype) -> why; the fp32 runs, as measured (bf16 runs are mostly slow)
-    ("verl_rmpad_chunked_entropy", "fp32"): _ONE_D_ROWS,
-    **{(name, "fp32"): _UNROLLED_SCALED
-       for name in ("trl_grpo_entropy_mask", "trl_dapo_sequence_is_entropy_bonus", "trl_ppo_value_no_grad_entropy",
-                    "skyrl_ppo_dual_clip_no_grad_entropy", "skyrl_gspo_entropy_grad_kl")},
-}
-COVERAGE_PARAMS = [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(
-    reason=KNOWN_GAPS[tuple(p.values)], strict=True)] if tuple(p.values) in KNOWN_GAPS else p.marks)
-    for p in PARAMS]
-
 
 def _problems(r, problems) -> str:
     return "\n".join(([r.error] if r.error else []) + problems)
@@ -56,7 +40,7 @@ def test_parity(name, dtype):
     assert r.parity_ok, _problems(r, r.parity_problems)
 
 
-@pytest.mark.parametrize("name,dtype", COVERAGE_PARAMS)
+@pytest.mark.parametrize("name,dtype", PARAMS)
 def test_coverage(name, dtype):
     r = run_case(name, dtype)
     assert r.coverage_ok, _problems(r, r.coverage_problems)

@@ -1,0 +1,428 @@
+"""Fold a Python loop over rows, unrolled by Dynamo, back into one computation over all rows.
+
+Before (TRL's per-row log-sum-exp, verl's `logprobs_from_logits_v2`)::
+
+    lse = torch.stack([torch.logsumexp(row, -1) for row in logits])        # one op per row
+
+    stack([logsumexp(select(x, 0, 0), [-1]), logsumexp(select(x, 0, 1), [-1]), ...])
+
+After::
+
+    logsumexp(x, [-1])
+
+Three loop shapes fold, each when every iteration computes the same ops on its own rows of a
+loop dim `d` (the first dim, or the sequence dim of `[B, S, V]`):
+
+- `stack([f(x[0]), f(x[1]), ..., f(x[n-1])], d)`, the selects covering `x`'s dim `d`;
+- `cat([f(x[0:16]), f(x[16:32]), ...], d)`, the slices tiling it (a `split` chunk loop);
+- a buffer filled chunk by chunk, `buf[:, s:e] = f(x[:, s:e])`, which functionalization made a
+  chain of `slice_scatter`s: when the slices tile the whole buffer it is the `cat` of the chunks.
+
+`f` folds when each of its ops treats the loop dim as a batch dim: elementwise ops, reductions,
+softmaxes and gathers over other dims, squeeze/unsqueeze elsewhere, with loop-invariant operands
+that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is `f(x[i])`. Then the region passes see one region over all rows: no
+per-iteration op, and a temperature applied before the loop is inside it. Anything else (an op
+that mixes rows, a gap between chunks, iterations that differ) leaves the loop as it is; each
+iteration is still its own region.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from graphpass._torch_api import detect_fake_mode, is_aten_overload, same_size
+from graphpass.analysis import catalogue
+from graphpass.analysis.grad_flow import grad_modes
+
+aten = torch.ops.aten
+
+__all__ = ["fold_row_loops_pass"]
+
+
+def fold_row_loops_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
+    """Replace each unrolled row loop (`stack`, `cat`, a tiled `slice_scatter` chain) by one `f(x)`."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is aten.slice_scatter.default and not _continues_chain(node):
+            _chain_as_cat(graph, node)
+    folder = _Folder(graph)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in (aten.cat.default, aten.stack.default):
+            folder.fold(node)
+    graph.eliminate_dead_code()
+    return gm
+
+
+# ---- a buffer filled chunk by chunk --------------------------------------------------------------
+def _continues_chain(node) -> bool:
+    return any(u.target is aten.slice_scatter.default and u.args[0] is node for u in node.users)
+
+
+def _chain_as_cat(graph, end) -> None:
+    """`slice_scatter(...slice_scatter(buf, v0, d, s0, e0)..., vn, d, sn, en)` -> `cat([v...], d)`
+    when the slices tile `buf`'s dim `d` (every value of `buf` overwritten)."""
+    writes, dims, node = [], set(), end
+    while node.op == "call_function" and node.target is aten.slice_scatter.default:
+        dim, start, stop, step = _slice_span(node.args[2:], node.kwargs)
+        if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, stop)):
+            return
+        writes.append((start, stop, node.args[1]))
+        dims.add(dim % node.meta["val"].ndim)
+        node = node.args[0]
+    buf = node.meta.get("val")
+    if len(dims) != 1 or not isinstance(buf, torch.Tensor):
+        return
+    dim = dims.pop()
+    size = buf.shape[dim]
+    if not isinstance(size, int):
+        return
+    spans = sorted((_clamp(s or 0, size), _clamp(e, size), v) for s, e, v in writes)
+    if [s for s, _, _ in spans] != [0] + [e for _, e, _ in spans[:-1]] or spans[-1][1] != size:
+        return  # a gap or an overlap: the buffer's own values (or an earlier write) survive
+    pieces = [_written_value(v) for _, _, v in spans]
+    with graph.inserting_before(end):
+        cat = graph.call_function(aten.cat.default, (pieces, dim))
+    cat.meta.update(end.meta)
+    end.replace_all_uses_with(cat)
+
+
+def _slice_span(args, kwargs) -> tuple:
+    """(dim, start, end, step) from a slice's (or slice_scatter's) arguments after its tensors."""
+    names, defaults = ("dim", "start", "end", "step"), (0, None, None, 1)
+    return tuple(args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults)))
+
+
+def _clamp(index, size: int) -> int:
+    if index is None:
+        return size
+    return max(0, min(index + size if index < 0 else index, size))
+
+
+def _written_value(value):
+    """The chunk a write stores: the functional `copy_`'s `clone(expand_as(v, dst))` is `v` when
+    `v` already has `dst`'s shape."""
+    while value.op == "call_function" and (
+            value.target is aten.clone.default
+            or (value.target is aten.expand_as.default
+                and _same_shape(value.args[0].meta["val"].shape, value.meta["val"].shape))):
+        value = value.args[0]
+    return value
+
+
+# ---- stack / cat of identical iterations -------------------------------------------------------------
+class _Folder:
+    """Folds loops; nodes it builds are shared between loops over the same rows (two buffers
+    filled by one loop: `logp[s:e], ent[s:e] = f(x[s:e])`)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.modes = grad_modes(graph)
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        # New nodes go before the node that followed a loop's last node in the original graph:
+        # after it (same grad mode) and after what earlier folds placed there, which they may reuse.
+        self.successor = {n: n.next for n in graph.nodes}
+        self.built: dict = {}
+
+    def fold(self, node) -> None:
+        pieces = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not pieces or not all(isinstance(p, torch.fx.Node) for p in pieces):
+            return
+        loop = _Loop("stack" if node.target is aten.stack.default else "cat", len(pieces))
+        if not all(loop.match(pieces[0], p, i) for i, p in enumerate(pieces)) or not loop.covers_rows():
+            return
+        body = loop.body(self.order)
+        computing = [n for i in range(len(pieces)) for n in loop.piece_nodes(body, i)]
+        if not body or {self.modes[n] for n in computing} != {self.modes[node]}:
+            return  # the loop ran in another grad mode than the stack/cat reads it in
+        last = max(computing, key=self.order.__getitem__)
+        batcher = _Batcher(self.graph, loop, self.built, self.order[last])
+        folded = batcher.build(body, pieces[0], self.successor[last])
+        if folded is None:
+            return
+        want, got = node.meta["val"], folded.meta["val"]
+        if (batcher.batch_dim.get(pieces[0]) != dim % want.ndim or got.dtype != want.dtype
+                or not _same_shape(got.shape, want.shape)):
+            return  # (its nodes are dead and go with the pass's final clean-up)
+        node.replace_all_uses_with(folded)
+
+
+class _Loop:
+    """The iterations of one loop: piece 0's nodes matched with each piece's, and the rows each
+    iteration picks (`select(x, d, i)` for a stack, `slice(x, d, s, e)` for a cat)."""
+
+    def __init__(self, kind: str, n: int):
+        self.kind, self.n = kind, n
+        self.matched = [dict() for _ in range(n)]  # piece-0 node -> piece-i node
+        self.picks = [dict() for _ in range(n)]  # piece-0 pick node -> (source, dim, index or span)
+
+    def match(self, a, b, i: int) -> bool:
+        """Whether piece i's node `b` computes what piece 0's `a` does, on its own rows. (Piece 0
+        matches itself, which records its picks.)"""
+        if a is b and i > 0:
+            return True  # the same node in both: a loop-invariant value
+        if a in self.matched[i]:
+            return self.matched[i][a] is b
+        pa, pb = self._pick(a), self._pick(b)
+        if pa is not None or pb is not None:
+            if pa is None or pb is None or pa[:2] != pb[:2]:
+                return False
+            self.matched[i][a] = b
+            self.picks[i][a] = pb
+            return True
+        if a.op != "call_function":
+            return a is b  # an input of the graph: loop-invariant
+        if b.op != "call_function" or a.target is not b.target:
+            return False
+        if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+            return False
+        self.matched[i][a] = b
+        return all(self._match_arg(x, y, i) for x, y in zip((*a.args, *a.kwargs.values()),
+                                                             (*b.args, *b.kwargs.values())))
+
+    def _match_arg(self, x, y, i) -> bool:
+        if isinstance(x, torch.fx.Node) or isinstance(y, torch.fx.Node):
+            return isinstance(x, torch.fx.Node) and isinstance(y, torch.fx.Node) and self.match(x, y, i)
+        if isinstance(x, (list, tuple)):
+            return (isinstance(y, (list, tuple)) and len(x) == len(y)
+                    and all(self._match_arg(p, q, i) for p, q in zip(x, y)))
+        return type(x) is type(y) and x == y
+
+    def _pick(self, node):
+        """(source, dim, which rows) if `node` picks rows of its source along `dim`, else None."""
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        src = node.args[0]
+        if self.kind == "stack" and node.target is operator.getitem and src.target is aten.unbind.int:
+            dim, index, src = (src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)), node.args[1], src.args[0]
+        elif self.kind == "stack" and node.target is aten.select.int:
+            dim, index = node.args[1:3]
+        elif self.kind == "cat" and node.target is aten.slice.Tensor:
+            dim, start, stop, step = _slice_span(node.args[1:], node.kwargs)
+            if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, stop)):
+                return None
+            index = (start, stop)
+        else:
+            return None
+        val = src.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.ndim == 0 or not isinstance(dim, int):
+            return None
+        dim %= val.ndim
+        if not isinstance(val.shape[dim], int):
+            return None
+        return src, dim, index
+
+    def covers_rows(self) -> bool:
+        """Every piece picks its own rows, all its picks agree, and together they cover each
+        source's loop dim exactly, in order."""
+        if not self.picks[0] or any(set(self.picks[i]) != set(self.picks[0]) for i in range(self.n)):
+            return False
+        sizes = {src.meta["val"].shape[dim] for src, dim, _ in self.picks[0].values()}
+        if len(sizes) != 1:
+            return False
+        size = sizes.pop()
+        rows = []
+        for picks in self.picks:
+            which = {w % size if self.kind == "stack" else (_clamp(w[0] or 0, size), _clamp(w[1], size))
+                     for _, _, w in picks.values()}
+            if len(which) != 1:
+                return False  # one iteration reads different rows of two sources
+            rows.append(which.pop())
+        if self.kind == "stack":
+            return rows == list(range(size))
+        return ([s for s, _ in rows] == [0] + [e for _, e in rows[:-1]] and rows[-1][1] == size
+                and all(s < e for s, e in rows))
+
+    def piece_nodes(self, body, i: int) -> list:
+        """Piece i's nodes that compute what `body` (piece 0's) does."""
+        return [self.matched[i][a] for a in body]
+
+    def body(self, order: dict) -> list:
+        """Piece 0's nodes that depend on its picks, in graph order; the rest is loop-invariant."""
+        batched, changed = set(self.picks[0]), True
+        nodes = set(self.matched[0])
+        while changed:
+            changed = False
+            for n in nodes - batched:
+                if any(a in batched for a in n.all_input_nodes):
+                    batched.add(n)
+                    changed = True
+        return sorted(batched - set(self.picks[0]), key=order.__getitem__)
+
+
+class _Batcher:
+    """Rebuilds piece 0's body over all rows. Each batched node's loop dim (`batch_dim`, in the
+    batched node's own dims) is tracked, so each op's dim arguments can be moved past it."""
+
+    def __init__(self, graph, loop: _Loop, built: dict, position: int):
+        self.graph, self.loop, self.built, self.position = graph, loop, built, position
+        self.stack = loop.kind == "stack"
+        self.env = {pick: src for pick, (src, _, _) in loop.picks[0].items()}
+        self.batch_dim = {pick: dim for pick, (_, dim, _) in loop.picks[0].items()}
+
+    def build(self, body, out, before):
+        """The batched node of piece 0's `out`, new nodes inserted before `before`; None if an op
+        does not fold."""
+        fake_mode = detect_fake_mode([n.meta["val"] for n in body if isinstance(n.meta.get("val"), torch.Tensor)])
+        try:
+            with self.graph.inserting_before(before):
+                for node in body:
+                    if not self._fold_node(node, fake_mode):
+                        return None
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            return None  # a shape the batched op rejects: leave the loop
+        return self.env.get(out)
+
+    def _fold_node(self, node, fake_mode) -> bool:
+        target, args, kwargs = node.target, list(node.args), dict(node.kwargs)
+        val = node.meta.get("val")
+        if not isinstance(val, (torch.Tensor, tuple, list)):
+            return False
+        if target is aten.expand_as.default and _same_shape(args[0].meta["val"].shape, val.shape):
+            self.env[node], self.batch_dim[node] = self.env[args[0]], self.batch_dim[args[0]]
+            return True  # a no-op expand (a functional copy_ of a same-shape chunk)
+        if target is operator.getitem:
+            b = self.batch_dim[args[0]]
+        elif target in _DIM_ARG:
+            b = self._move_dims(node, args, kwargs)
+        elif _is_elementwise(target):
+            b = self._broadcast_batch_dim(node)
+        else:
+            b = None
+        if b is None:
+            return False
+        new = self._node(target, tuple(self._read(a) for a in args), {k: self._read(v) for k, v in kwargs.items()},
+                         node, fake_mode)
+        self.env[node], self.batch_dim[node] = new, b
+        return True
+
+    def _read(self, arg):
+        if isinstance(arg, torch.fx.Node):
+            return self.env.get(arg, arg)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self._read(a) for a in arg)
+        return arg
+
+    def _move_dims(self, node, args, kwargs):
+        """Point the op's dims at the batched input (in place in `args`/`kwargs`); the output's
+        loop dim, or None if the op reads along the loop dim itself."""
+        target = node.target
+        position, counted_in = _DIM_ARG[target]
+        x = args[0]
+        b = self.batch_dim.get(x)
+        others = [a for a in args[1:] if isinstance(a, torch.fx.Node)]
+        if b is None or (others and target not in catalogue.GATHERS):
+            return None
+        dims = args[position] if position < len(args) else kwargs.get("dim")
+        many = isinstance(dims, (list, tuple))
+        if dims is None or (many and not dims) or not all(isinstance(d, int) for d in (dims if many else [dims])):
+            return None  # every dim: reduces the loop dim too
+        rank = x.meta["val"].ndim + (1 if counted_in == "out" else 0)  # in the piece's dims
+        given = list(dims) if many else [dims]
+        piece_dims = [d % rank for d in given]
+        if self.stack:
+            # The piece lacks the loop dim: piece dim p is batched dim p, or p + 1 from b on
+            # (where a negative dim, counted from the end, still means the same dim).
+            moved = [d if d < 0 and p >= b else p + (p >= b) for d, p in zip(given, piece_dims)]
+        else:
+            if b in piece_dims:
+                return None
+            moved = given
+        batched = [p + (p >= b) for p in piece_dims] if self.stack else piece_dims
+        if target is aten.unsqueeze.default:
+            out_b = b + (batched[0] <= b)
+        elif target in (aten.squeeze.dim, aten.squeeze.dims) or (
+                target in catalogue.REDUCTIONS | catalogue.REDUCTIONS_INT_DIM and not _keepdim(node)):
+            out_b = b - sum(m < b for m in batched)
+        else:
+            out_b = b
+        new_dims = type(dims)(moved) if many else moved[0]
+        if position < len(args):
+            args[position] = new_dims
+        else:
+            kwargs["dim"] = new_dims
+        if target in catalogue.GATHERS:
+            index = args[2] if target is aten.gather.default else args[1]
+            if self.batch_dim.get(index) != b or index.meta["val"].ndim != x.meta["val"].ndim:
+                return None
+        return out_b
+
+    def _broadcast_batch_dim(self, node):
+        """The loop dim of an elementwise op's output: its batched operands have the output's rank
+        and agree on it; loop-invariant operands broadcast along it, as they did in each piece."""
+        out_rank = node.meta["val"].ndim + (1 if self.stack else 0)  # the batched output's rank
+        dims = set()
+        for a in node.all_input_nodes:
+            val = a.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            if a in self.env:
+                if val.ndim + (1 if self.stack else 0) != out_rank:
+                    return None
+                dims.add(self.batch_dim[a])
+        if len(dims) != 1:
+            return None
+        b = dims.pop()
+        for a in node.all_input_nodes:
+            val = a.meta.get("val")
+            if a in self.env or not isinstance(val, torch.Tensor):
+                continue
+            aligned = b - (out_rank - val.ndim)  # the invariant's dim that lines up with the loop dim
+            if self.stack and aligned >= 0:
+                return None  # it would line up with the new loop dim, not with what it met per piece
+            if not self.stack and aligned >= 0 and not same_size(val.shape[aligned], 1):
+                return None  # it varies along the loop dim: each piece met other rows of it
+        return b
+
+    def _node(self, target, args, kwargs, like, fake_mode):
+        key = (target, _freeze(args), _freeze(kwargs))
+        earlier = self.built.get(key)
+        if earlier is not None and earlier[1] <= self.position:  # built by a loop before this one ended
+            return earlier[0]
+        new = self.graph.call_function(target, args, kwargs)
+        new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+        vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with fake_mode:
+            new.meta["val"] = target(*vals[0], **vals[1])
+        self.built[key] = (new, self.position)
+        return new
+
+
+#: Ops with a dim argument that fold: target -> (its position, the rank it counts in).
+_DIM_ARG = {
+    **{op: (1, "in") for op in catalogue.REDUCTIONS | catalogue.REDUCTIONS_INT_DIM | catalogue.SOFTMAX},
+    aten.gather.default: (1, "in"), aten.take_along_dim.default: (2, "in"),
+    aten.squeeze.dim: (1, "in"), aten.squeeze.dims: (1, "in"), aten.unsqueeze.default: (1, "out"),
+}
+
+
+def _keepdim(node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+def _is_elementwise(target) -> bool:
+    if target in catalogue.ELEMENTWISE:
+        return True
+    return (is_aten_overload(target) and torch.Tag.pointwise in target.tags
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+def _freeze(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, torch.fx.Node):
+        return ("node", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", id(value))
+    return (type(value).__name__, value)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
