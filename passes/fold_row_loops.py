@@ -53,7 +53,23 @@ def fold_row_loops_pass(gm: torch.fx.GraphModule, example_inputs, *, config, rec
         if node.op == "call_function" and node.target in (aten.cat.default, aten.stack.default):
             folder.fold(node)
     graph.eliminate_dead_code()
+    _merge_duplicates(graph, folder.built)
     return gm
+
+
+def _merge_duplicates(graph, built: set) -> None:
+    """One node for each op the folds built twice on the same operands in the same grad mode
+    (two buffers filled by one loop each fold the loop's shared `log_softmax`): one region."""
+    modes, seen = grad_modes(graph), {}
+    for node in list(graph.nodes):
+        if node not in built:
+            continue
+        key = (node.target, _freeze(node.args), _freeze(node.kwargs), modes[node])
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+        else:
+            seen[key] = node
 
 
 # ---- a buffer filled chunk by chunk --------------------------------------------------------------
@@ -114,22 +130,26 @@ def _written_value(value):
 
 # ---- stack / cat of identical iterations -------------------------------------------------------------
 class _Folder:
-    """Folds loops; nodes it builds are shared between loops over the same rows (two buffers
-    filled by one loop: `logp[s:e], ent[s:e] = f(x[s:e])`)."""
+    """Folds loops, remembering the nodes it builds."""
 
     def __init__(self, graph):
         self.graph = graph
         self.modes = grad_modes(graph)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         # New nodes go before the node that followed a loop's last node in the original graph:
-        # after it (same grad mode) and after what earlier folds placed there, which they may reuse.
+        # after it, in its grad mode.
         self.successor = {n: n.next for n in graph.nodes}
-        self.built: dict = {}
+        self.built: set = set()
 
     def fold(self, node) -> None:
         pieces = node.args[0]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         if not pieces or not all(isinstance(p, torch.fx.Node) for p in pieces):
+            return
+        if node.target is aten.cat.default and len(pieces) == 1:
+            # One chunk covers every row (Dynamo may have dropped the no-op slices): it is the loop.
+            if self.modes[pieces[0]] == self.modes[node] and pieces[0].meta["val"].dtype == node.meta["val"].dtype:
+                node.replace_all_uses_with(pieces[0])
             return
         loop = _Loop("stack" if node.target is aten.stack.default else "cat", len(pieces))
         if not all(loop.match(pieces[0], p, i) for i, p in enumerate(pieces)) or not loop.covers_rows():
@@ -139,7 +159,7 @@ class _Folder:
         if not body or {self.modes[n] for n in computing} != {self.modes[node]}:
             return  # the loop ran in another grad mode than the stack/cat reads it in
         last = max(computing, key=self.order.__getitem__)
-        batcher = _Batcher(self.graph, loop, self.built, self.order[last])
+        batcher = _Batcher(self.graph, loop, self.built)
         folded = batcher.build(body, pieces[0], self.successor[last])
         if folded is None:
             return
@@ -257,8 +277,8 @@ class _Batcher:
     """Rebuilds piece 0's body over all rows. Each batched node's loop dim (`batch_dim`, in the
     batched node's own dims) is tracked, so each op's dim arguments can be moved past it."""
 
-    def __init__(self, graph, loop: _Loop, built: dict, position: int):
-        self.graph, self.loop, self.built, self.position = graph, loop, built, position
+    def __init__(self, graph, loop: _Loop, built: set):
+        self.graph, self.loop, self.built = graph, loop, built
         self.stack = loop.kind == "stack"
         self.env = {pick: src for pick, (src, _, _) in loop.picks[0].items()}
         self.batch_dim = {pick: dim for pick, (_, dim, _) in loop.picks[0].items()}
@@ -378,16 +398,12 @@ class _Batcher:
         return b
 
     def _node(self, target, args, kwargs, like, fake_mode):
-        key = (target, _freeze(args), _freeze(kwargs))
-        earlier = self.built.get(key)
-        if earlier is not None and earlier[1] <= self.position:  # built by a loop before this one ended
-            return earlier[0]
         new = self.graph.call_function(target, args, kwargs)
         new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
         vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with fake_mode:
             new.meta["val"] = target(*vals[0], **vals[1])
-        self.built[key] = (new, self.position)
+        self.built.add(new)
         return new
 
 

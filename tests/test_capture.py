@@ -133,8 +133,8 @@ def mutated_input_temperature(logits, labels, w):  # verl: logits.div_(temperatu
 
 
 CASES = {  # case -> site kinds graphpass must find
-    buffer_loop: ["rowwise"] * 3,
-    empty_like_buffer: ["logprob"] * 3,
+    buffer_loop: ["logprob"],  # the chunk loop folds: gather - logsumexp over all rows
+    empty_like_buffer: ["logprob"],
     function_beside_region: ["logprob"],
     function_feeds_region: ["logprob"],
     fused_function_beside_entropy: ["entropy"],
