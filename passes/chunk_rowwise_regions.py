@@ -65,7 +65,7 @@ def _input_spec(node, rows) -> InputSpec:
     lay = rowlocal.layout_of(val, rows)
     if lay is None:
         raise RegionRejected(f"input {node.name} {tuple(val.shape)} neither spans nor broadcasts over the rows")
-    if lay.kind == "bcast":
+    if lay.kind == BCAST:
         return InputSpec(SCALAR, 1, val.dtype) if val.ndim == 0 else InputSpec(BCAST, _static_width(lay.width), val.dtype)
     return InputSpec(ROW if known_equal(lay.width, 1) else WIDE, _static_width(lay.width), val.dtype)
 

@@ -20,20 +20,21 @@ import torch
 
 from graphpass._torch_api import is_aten_overload, known_equal
 from graphpass.analysis import catalogue
+from graphpass.layouts import Role
 
 aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where a tensor's rows are: `row` ([*rows] or [*rows, width]), `bcast`, or `transposed`."""
+    """Where a tensor's rows are: ROW ([*rows] or [*rows, width]), BCAST, or TRANSPOSED."""
 
-    kind: str
+    kind: Role
     width: object  # int or SymInt
     row_dims: int  # how many leading dims index rows (tail present iff row_dims < ndim)
 
 
-ROW, BCAST, TRANSPOSED = "row", "bcast", "transposed"
+ROW, BCAST, TRANSPOSED = Role.ROW, Role.BCAST, Role.TRANSPOSED
 
 
 def layout_of(val, rows) -> Layout | None:
@@ -135,18 +136,18 @@ def _val(x):
     return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
 
 
-def operand_role(operand_val, out_val, out_layout: Layout) -> str | None:
-    """How a pointwise operand lines up with the op's output rows: row, bcast, or None."""
+def operand_role(operand_val, out_val, out_layout: Layout) -> Role | None:
+    """How a pointwise operand lines up with the op's output rows: ROW, BCAST, or None."""
     if not isinstance(operand_val, torch.Tensor) or operand_val.ndim == 0:
-        return "bcast"
+        return BCAST
     if operand_val.ndim > out_val.ndim:
         return None
     padded = (1,) * (out_val.ndim - operand_val.ndim) + tuple(operand_val.shape)
     k = out_layout.row_dims
     if all(known_equal(a, b) for a, b in zip(padded[:k], out_val.shape[:k])):
-        return "row"
+        return ROW
     if all(known_equal(a, 1) for a in padded[:k]):
-        return "bcast"
+        return BCAST
     return None
 
 
@@ -169,7 +170,7 @@ def check(node, rows, layouts: dict) -> str | None:
     val = node.meta.get("val")
     outs = val if isinstance(val, (tuple, list)) else (val,)
     out_layouts = [layout_of(v, rows) for v in outs]
-    if any(lay is None or lay.kind != "row" for lay in out_layouts):
+    if any(lay is None or lay.kind != ROW for lay in out_layouts):
         return f"{_name(node)} output is not laid out over the region's rows"
     out_layout = out_layouts[0]
     tensor_args = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
@@ -210,7 +211,7 @@ def check(node, rows, layouts: dict) -> str | None:
         index = kw.get("index", kw.get("indices"))
         index_layout = layout_of(_val(index), rows)
         if not (has_tail and _last_dim(kw.get("dim"), ndim) and index_layout is not None
-                and index_layout.kind == "row" and _val(index).ndim == ndim):
+                and index_layout.kind == ROW and _val(index).ndim == ndim):
             return f"{_name(node)} does not pick along the vocabulary with a per-row index"
         return None
     if target in _NLL:

@@ -19,14 +19,13 @@ import itertools
 import torch
 
 from graphpass import _torch_api
+from graphpass.layouts import Role
 from graphpass.ops.joint import ArgSpec, JointSplit
 
-# How an input tensor is laid out relative to the region's rows.
-WIDE = "wide"  # [*rows, V]: read through views, chunk by chunk; gradient buffer of its dtype
-ROW = "row"  # [*rows] or [*rows, w] with small w: flattened to [R, w]
-BCAST = "bcast"  # the same for every row ([w], [1, ..., 1, w]): reshaped to [1, w]
-SCALAR = "scalar"  # a 0-d tensor
-ROLES = (WIDE, ROW, BCAST, SCALAR)
+# How an input lies over the region's rows (`graphpass.layouts`): WIDE inputs are read through
+# views chunk by chunk, ROW inputs (narrow) flattened to [R, w], BCAST reshaped to [1, w], SCALAR
+# passed as it is.
+WIDE, ROW, BCAST, SCALAR = Role.WIDE, Role.ROW, Role.BCAST, Role.SCALAR
 
 # fp32 [chunk, V] temporaries alive at once while a chunk's kernel runs. Inductor fuses each
 # kernel into passes over the vocabulary that keep nothing wide (the gradient is written in
@@ -36,7 +35,7 @@ _TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    role: str
+    role: Role
     width: int  # canonical width w (1 for SCALAR)
     dtype: torch.dtype
 
