@@ -8,6 +8,7 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.config import Config
+from graphpass.lint import lint
 from graphpass.pipeline import rewrite_graph
 from graphpass.records import GraphRecord
 from graphpass.report import print_graph_report, reporting_enabled
@@ -33,6 +34,7 @@ class Backend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         record = GraphRecord(index=len(self.records))
         self.records.append(record)
+        record.warnings = lint(gm)
         try:
             result = rewrite_graph(gm, example_inputs, self.config, record)
         except Exception as e:

@@ -75,6 +75,8 @@ class GraphRecord:
     fallback_reason: str | None = None
     """Set when the whole rewrite failed and the graph ran unchanged."""
     passes_run: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """Where torch.compile itself changes the math of this graph (`graphpass.lint`)."""
     graph_module: object = dataclasses.field(default=None, repr=False)
     """The rewritten ATen-level `torch.fx.GraphModule` handed to the inner compiler."""
     example_inputs: list = dataclasses.field(default_factory=list, repr=False)

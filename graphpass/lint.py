@@ -1,0 +1,62 @@
+"""Where torch.compile itself changes the user's math: warnings about Dynamo's graph, once per
+source line, recorded in `GraphRecord.warnings`.
+
+- **A grad-carrying in-place `dist.all_reduce`.** Eager's in-place all-reduce is invisible to
+  autograd: the gradient of its input is the local one. Dynamo remaps it to the functional
+  all-reduce, which has a backward that all-reduces (sums) the gradient over the group, so the
+  compiled gradients come out up to the group size times eager's.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+import torch
+
+log = logging.getLogger("graphpass")
+
+# Frames of Dynamo's remapping of `dist.all_reduce` to the functional op (torch 2.13).
+_INPLACE_ALL_REDUCE_FRAMES = ("all_reduce_inplace", "_remapped_allreduce")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
+
+_warned: set[str] = set()
+
+
+def lint(gm: torch.fx.GraphModule) -> list[str]:
+    """The warnings for Dynamo's graph `gm` (each also issued once per process and source line)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _is_differentiable_inplace_all_reduce(node):
+            where = user_frame(node.meta.get("stack_trace") or "")
+            found.append(
+                f"graphpass: `{where[1] or 'dist.all_reduce'}` ({where[0]}) carries a gradient: torch.compile traces "
+                "an in-place dist.all_reduce as a differentiable all-reduce whose backward sums the gradient over "
+                "the group, so compiled gradients differ from eager's (up to the group size times); all-reduce a "
+                "detached tensor, or put it in an autograd.Function whose backward says what you mean")
+    for message in found:
+        if message not in _warned:
+            _warned.add(message)
+            warnings.warn(message, stacklevel=2)
+            log.warning("%s", message)
+    return found
+
+
+def _is_differentiable_inplace_all_reduce(node) -> bool:
+    if not str(node.target).startswith("_c10d_functional.all_reduce"):
+        return False
+    trace = node.meta.get("stack_trace") or ""
+    if not any(frame in trace for frame in _INPLACE_ALL_REDUCE_FRAMES):
+        return False  # written as a functional collective: its backward is the user's choice
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def user_frame(stack_trace: str) -> tuple[str, str]:
+    """("file.py:LINE", source text) of the innermost frame outside torch, or ("?", "")."""
+    frames = [m for m in _FRAME.finditer(stack_trace) if "/torch/" not in m["file"]]
+    if not frames:
+        return "?", ""
+    m = frames[-1]
+    return f"{m['file'].rsplit('/', 1)[-1]}:{m['line']}", m["code"].strip()
