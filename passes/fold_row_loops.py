@@ -14,7 +14,8 @@ Three loop shapes fold, each when every iteration computes the same ops on its o
 loop dim `d` (the first dim, or the sequence dim of `[B, S, V]`):
 
 - `stack([f(x[0]), f(x[1]), ..., f(x[n-1])], d)`, the selects covering `x`'s dim `d`;
-- `cat([f(x[0:16]), f(x[16:32]), ...], d)`, the slices tiling it (a `split` chunk loop);
+- `cat([f(x[0:16]), f(x[16:32]), ...], d)`, the slices tiling it (a `split` chunk loop), and
+  `cat([f(x[0]), f(x[1]), ...], d)`, a flattened stack (a per-sequence loop);
 - a buffer filled chunk by chunk, `buf[:, s:e] = f(x[:, s:e])`, which functionalization made a
   chain of `slice_scatter`s: when the slices tile the whole buffer it is the `cat` of the chunks.
 
@@ -151,23 +152,38 @@ class _Folder:
             if self.modes[pieces[0]] == self.modes[node] and pieces[0].meta["val"].dtype == node.meta["val"].dtype:
                 node.replace_all_uses_with(pieces[0])
             return
-        loop = _Loop("stack" if node.target is aten.stack.default else "cat", len(pieces))
+        kinds = ["stack"] if node.target is aten.stack.default else ["cat", "stack"]
+        for kind in kinds:  # a cat of per-row results (`cat([f(x[b]) for b ...])`) is a flattened stack
+            folded = self._fold_as(kind, node, pieces)
+            if folded is not None:
+                node.replace_all_uses_with(folded)
+                return
+
+    def _fold_as(self, kind, node, pieces):
+        """The node that computes `node` (a `stack`/`cat` of `pieces`) as one loop of `kind`, or None."""
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        loop = _Loop(kind, len(pieces))
         if not all(loop.match(pieces[0], p, i) for i, p in enumerate(pieces)) or not loop.covers_rows():
-            return
+            return None
         body = loop.body(self.order)
         computing = [n for i in range(len(pieces)) for n in loop.piece_nodes(body, i)]
         if not body or {self.modes[n] for n in computing} != {self.modes[node]}:
-            return  # the loop ran in another grad mode than the stack/cat reads it in
+            return None  # the loop ran in another grad mode than the stack/cat reads it in
         last = max(computing, key=self.order.__getitem__)
         batcher = _Batcher(self.graph, loop, self.built)
         folded = batcher.build(body, pieces[0], self.successor[last])
         if folded is None:
-            return
+            return None
         want, got = node.meta["val"], folded.meta["val"]
-        if (batcher.batch_dim.get(pieces[0]) != dim % want.ndim or got.dtype != want.dtype
-                or not _same_shape(got.shape, want.shape)):
-            return  # (its nodes are dead and go with the pass's final clean-up)
-        node.replace_all_uses_with(folded)
+        dim %= want.ndim
+        if batcher.batch_dim.get(pieces[0]) != dim or got.dtype != want.dtype:
+            return None  # (its nodes are dead and go with the pass's final clean-up)
+        if node.target is aten.cat.default and kind == "stack":
+            if got.ndim != want.ndim + 1:
+                return None
+            with self.graph.inserting_before(self.successor[last]):
+                folded = batcher.node(aten.flatten.using_ints, (folded, dim, dim + 1), {}, node)
+        return folded if _same_shape(folded.meta["val"].shape, want.shape) else None
 
 
 class _Loop:
@@ -314,8 +330,8 @@ class _Batcher:
             b = None
         if b is None:
             return False
-        new = self._node(target, tuple(self._read(a) for a in args), {k: self._read(v) for k, v in kwargs.items()},
-                         node, fake_mode)
+        new = self.node(target, tuple(self._read(a) for a in args), {k: self._read(v) for k, v in kwargs.items()},
+                        node, fake_mode)
         self.env[node], self.batch_dim[node] = new, b
         return True
 
@@ -397,7 +413,9 @@ class _Batcher:
                 return None  # it varies along the loop dim: each piece met other rows of it
         return b
 
-    def _node(self, target, args, kwargs, like, fake_mode):
+    def node(self, target, args, kwargs, like, fake_mode=None):
+        """A new node `target(*args, **kwargs)` with `like`'s meta and its own fake value."""
+        fake_mode = fake_mode or detect_fake_mode([like.meta["val"]])
         new = self.graph.call_function(target, args, kwargs)
         new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
         vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
