@@ -235,3 +235,19 @@ def is_higher_order_op(target) -> bool:
 def autograd_function_apply():
     """The higher-order op Dynamo makes of a user `torch.autograd.Function` (forward, backward bodies)."""
     return torch.ops.higher_order.autograd_function_apply
+
+
+# ---- distributed (graphpass/ops/vocab_parallel.py) -------------------------------------------------
+def resolve_process_group(group_name: str):
+    """The `ProcessGroup` named `group_name` (`group.group_name`): custom ops carry a group as its name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def torch_dispatch_mode():
+    """The base class of a mode that sees every ATen call below autograd (tests use it to watch
+    which tensors an op allocates)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

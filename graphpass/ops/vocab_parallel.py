@@ -1,0 +1,440 @@
+"""Log-probabilities and entropy of vocabulary-parallel logits, chunked and recomputing.
+
+`vocab_parallel_logprob_entropy(logits, target, group)` is the tensor-parallel counterpart of
+`log_softmax(logits / temperature).gather(target)` (and the softmax entropy) when each rank of
+`group` holds one slice of the vocabulary: rank r holds columns `r * Vl .. (r + 1) * Vl - 1` of
+the global `[*, V]` logits, `V = tp * Vl` (Megatron's `VocabUtility` convention). It is a drop-in
+for slime's `calculate_log_probs_and_entropy` (`_VocabParallelLogProbEntropy`), with these
+differences: one collective per call instead of three to six per chunk, O(rows) saved for
+backward instead of the whole fp32 softmax, and an `ignore_index`.
+
+Forward: every chunk of rows computes this rank's row statistics (max, sum of exp, the shifted
+first moment for the entropy, the target's logit if this rank owns the target, the target id);
+one all-gather of the `[rows, C]` statistics of all chunks then combines them on every rank (M = max_r m_r, S = sum_r S_r exp(m_r - M), lse = M + log S). Backward recomputes
+each chunk's softmax from the saved log-sum-exp and issues no collective.
+
+The collectives a call issues depend only on shapes and configuration (dtype, keep_mask given
+or not, with_entropy), never on values, requires_grad or grad mode, so ranks cannot disagree
+(slime #2123 hung on exactly that). A group of size one issues none.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.distributed
+
+from graphpass import _torch_api
+
+# Rows per chunk when the caller does not choose: about this many bytes for one fp32
+# `[chunk, V/tp]` temporary (the forward holds about three at once, the backward four).
+_CHUNK_BUDGET_BYTES = 16 * 2**20
+
+# Columns of the per-row statistics each rank contributes to the one collective.
+_M, _S = 0, 1  # the log-prob distribution (masked by keep_mask): max m, sum exp(x - m)
+_TARGET, _OWNER = 2, 3  # the target's logit where this rank owns it (else 0), and 1.0 where it does
+_TOKEN = 4  # the target id itself: ranks given different targets are caught, not silently mixed
+_A = 5  # entropy: sum exp(x - m) (x - m) over the unmasked logits
+_FULL_M, _FULL_S = 6, 7  # entropy under a keep_mask: max and sum exp of the unmasked logits
+
+
+def _stat_columns(with_entropy: bool, masked: bool) -> int:
+    if not with_entropy:
+        return 5
+    return 8 if masked else 6
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 logits are computed (and returned) in float64; every other float dtype in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- the group -----------------------------------------------------------------------------------
+def _group_name(group) -> str:
+    """The name the op carries for `group`; "" for a single process without torch.distributed."""
+    if group is None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return ""
+        group = torch.distributed.group.WORLD
+    return group.group_name
+
+
+def _rank_and_size(group_name: str):
+    """(group, this rank in it, its size); (None, 0, 1) for the single-process name ""."""
+    if not group_name:
+        return None, 0, 1
+    group = _torch_api.resolve_process_group(group_name)
+    return group, group.rank(), group.size()
+
+
+def _all_gather(output, tensor, group) -> None:
+    """Gather every rank's `tensor` into `output` ([size * n, ...]): `all_gather_single` where torch
+    has it (2.13 deprecates `all_gather_into_tensor` in its favour), else `all_gather_into_tensor`."""
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+# ---- layout --------------------------------------------------------------------------------------
+def _row_blocks(logits: torch.Tensor):
+    """(row offset, 2-D `[rows, Vl]` view) blocks covering the rows of `logits` in order, without a copy.
+
+    One block when `logits` views as `[R, Vl]`; a strided view such as `logits[:, :-1]` of a
+    `[B, S, Vl]` tensor walks its leading dims instead (every 2-D slice of a strided tensor is a view).
+    """
+    if logits.ndim == 2:
+        return [(0, logits)]
+    try:
+        return [(0, logits.view(math.prod(logits.shape[:-1]), logits.shape[-1]))]
+    except RuntimeError:
+        pass
+    inner = logits.shape[-2]
+    return [(n * inner, logits[index]) for n, index in enumerate(itertools.product(*map(range, logits.shape[:-2])))]
+
+
+def _chunks(logits, chunk_size: int):
+    """Yield (row slice, `[r, Vl]` view) covering all rows, at most `chunk_size` rows each."""
+    for offset, block in _row_blocks(logits):
+        for start in range(0, block.shape[0], chunk_size):
+            stop = min(block.shape[0], start + chunk_size)
+            yield slice(offset + start, offset + stop), block[start:stop]
+
+
+def _rows_per_chunk(chunk_size: int, rows: int, vocab: int) -> int:
+    if chunk_size > 0:
+        return max(1, min(chunk_size, rows))
+    return max(1, min(rows, _CHUNK_BUDGET_BYTES // max(1, vocab * 4)))
+
+
+def _flat(t: torch.Tensor | None, rows: int, width: int | None = None):
+    if t is None:
+        return None
+    return t.reshape(rows) if width is None else t.reshape(rows, width)
+
+
+# ---- per-chunk math ------------------------------------------------------------------------------
+def _scaled(chunk, temperature: float, dtype):
+    """The chunk's logits divided by the temperature, upcast to `dtype` (one chunk, never the shard)."""
+    x = chunk.to(dtype)
+    if temperature != 1.0:
+        x = x / temperature
+    return x
+
+
+def _apply_keep_mask(x, keep, local_target, owned):
+    """`x` with entries not kept set to -inf, except each owned target's own logit (slime keeps the
+    sampled token in the support: the support is the kept set plus the target)."""
+    target_x = x.gather(1, local_target[:, None])
+    masked = x.masked_fill(~keep, float("-inf"))
+    masked.scatter_(1, local_target[:, None], torch.where(owned[:, None], target_x, masked.gather(1, local_target[:, None])))
+    return masked
+
+
+def _max_and_sum_exp(x):
+    """Row max m and sum exp(x - m); an all -inf row gives (-inf, 0), never NaN."""
+    m = x.amax(dim=1)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    z = x - m_safe[:, None]
+    e = z.exp()
+    return m, e.sum(dim=1), z, e
+
+
+def _shifted_moment(z, e):
+    """sum exp(z) * z over each row; a -inf logit (probability 0) contributes 0, not NaN."""
+    z = z.clamp_min(torch.finfo(z.dtype).min)
+    return (e * z).sum(dim=1)
+
+
+# ---- combine -------------------------------------------------------------------------------------
+def _combine(m, s):
+    """Per-rank row statistics `[tp, R]` (max m_r, sum exp S_r about m_r) into (M, S, w): the global
+    max (0 where every rank's row is all -inf), the global sum exp about M, and w_r = exp(m_r - M)."""
+    big_m = m.amax(dim=0)
+    big_m = torch.where(torch.isneginf(big_m), torch.zeros_like(big_m), big_m)
+    # A rank whose row is all -inf (m_r = -inf) weighs exp(-inf) = 0.
+    w = (m - big_m).exp()
+    return big_m, (s * w).sum(dim=0), w
+
+
+def _entropy(m, s, moment):
+    """(log-sum-exp, entropy) per row from per-rank (max, sum exp, shifted moment) `[tp, R]`.
+
+    Rank r's moment A_r = sum exp(x - m_r) (x - m_r) is about its own max, so
+    E[x] - M = sum_r w_r (A_r + (m_r - M) S_r) / S, and entropy = lse - E[x] = log S - (E[x] - M):
+    no difference of two large numbers.
+    """
+    big_m, total, w = _combine(m, s)
+    offset = torch.where(torch.isneginf(m), torch.zeros_like(m), m - big_m)
+    centred = ((moment + offset * s) * w).sum(dim=0) / total
+    return big_m + total.log(), total.log() - centred
+
+
+def _finish(stats, with_entropy: bool, masked: bool, ignored, target_flat, vocab_global: int, size: int):
+    """From the gathered `[tp, R, C]` statistics: (logprob, entropy or None, lse_lp, lse_full or None)."""
+    # Every rank gathered the same statistics, so every rank raises here, together.
+    tokens = stats[..., _TOKEN]
+    differ = (tokens != tokens[:1]).any(dim=0)
+    if bool(differ.any()):
+        row = int(differ.nonzero()[0, 0])
+        raise ValueError(f"graphpass: the ranks of the tensor-parallel group were given different targets (row {row}: "
+                         f"{[int(t) for t in tokens[:, row].tolist()]}); pass the same targets on every rank")
+    bad = (stats[..., _OWNER].sum(dim=0) != 1) & ~ignored
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        token = int(target_flat[row])
+        raise ValueError(f"graphpass: token id {token} at row {row} is outside the vocabulary [0, {vocab_global}) "
+                         f"({size} ranks x {vocab_global // size} columns) and is not ignore_index; "
+                         "check the targets, or set ignore_index to the padding id")
+    big_m, total, _ = _combine(stats[..., _M], stats[..., _S])
+    lse_lp = big_m + total.log()
+    logprob = torch.where(ignored, torch.zeros_like(lse_lp), stats[..., _TARGET].sum(dim=0) - lse_lp)
+    if not with_entropy:
+        return logprob, None, lse_lp, None
+    if masked:
+        lse_full, entropy = _entropy(stats[..., _FULL_M], stats[..., _FULL_S], stats[..., _A])
+        return logprob, entropy, lse_lp, lse_full
+    _, entropy = _entropy(stats[..., _M], stats[..., _S], stats[..., _A])
+    return logprob, entropy, lse_lp, None
+
+
+# ---- forward -------------------------------------------------------------------------------------
+def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int):
+    """(this rank's column of each target clamped into the slice, owned here, ignored)."""
+    ignored = target_flat == ignore_index
+    local = target_flat.long() - rank * vocab
+    owned = (local >= 0) & (local < vocab) & ~ignored
+    return local.clamp(0, max(0, vocab - 1)), owned, ignored
+
+
+def _forward(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
+             ignore_index: int, chunk_size: int):
+    group, rank, size = _rank_and_size(group_name)
+    vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
+    rows = math.prod(lead)
+    dtype = _compute_dtype(logits.dtype)
+    masked = keep_mask is not None
+    columns = _stat_columns(with_entropy, masked)
+    target_flat = target.reshape(rows)
+    local_target, owned, ignored = _local_targets(target_flat, rank, vocab, ignore_index)
+    keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
+    stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab)
+    with torch.no_grad():
+        for sl, piece in _chunks(logits, chunk):
+            x = _scaled(piece, temperature, dtype)
+            lt, own = local_target[sl], owned[sl]
+            stats[sl, _TARGET] = torch.where(own, x.gather(1, lt[:, None])[:, 0], 0)
+            stats[sl, _OWNER] = own.to(dtype)
+            # Exact below 2^24 in fp32; two ids that round alike pass unnoticed, never a false alarm.
+            stats[sl, _TOKEN] = target_flat[sl].to(dtype)
+            if masked:
+                keep = keep_mask[None, :] if keep_rows is None else keep_rows[sl]
+                m, s, _, _ = _max_and_sum_exp(_apply_keep_mask(x, keep, lt, own))
+                stats[sl, _M], stats[sl, _S] = m, s
+                if with_entropy:
+                    m, s, z, e = _max_and_sum_exp(x)
+                    stats[sl, _FULL_M], stats[sl, _FULL_S], stats[sl, _A] = m, s, _shifted_moment(z, e)
+            else:
+                m, s, z, e = _max_and_sum_exp(x)
+                stats[sl, _M], stats[sl, _S] = m, s
+                if with_entropy:
+                    stats[sl, _A] = _shifted_moment(z, e)
+            del x
+    if size > 1:
+        # The one collective of the call: its shape is [size * rows, columns] on every rank, whatever
+        # the values, grad mode or requires_grad (gloo wants the flat [world * n, ...] output).
+        gathered = torch.empty(size * rows, columns, dtype=dtype, device=logits.device)
+        _all_gather(gathered, stats, group)
+        stats = gathered.view(size, rows, columns)
+    else:
+        stats = stats[None]
+    logprob, entropy, lse_lp, lse_full = _finish(stats, with_entropy, masked, ignored, target_flat, vocab * size, size)
+    # Distinct empty tensors: a custom op's outputs may not alias one another.
+    return (logprob.reshape(lead),
+            logits.new_empty((0,), dtype=dtype) if entropy is None else entropy.reshape(lead), lse_lp,
+            logits.new_empty((0,), dtype=dtype) if lse_full is None else lse_full)
+
+
+# ---- backward ------------------------------------------------------------------------------------
+def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
+              temperature: float, ignore_index: int, chunk_size: int):
+    """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective."""
+    _, rank, _ = _rank_and_size(group_name)
+    vocab = logits.shape[-1]
+    rows = math.prod(logits.shape[:-1])
+    dtype = _compute_dtype(logits.dtype)
+    masked = keep_mask is not None
+    local_target, owned, ignored = _local_targets(target.reshape(rows), rank, vocab, ignore_index)
+    keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
+    grad = torch.empty(rows, vocab, dtype=logits.dtype, device=logits.device)
+    g_lp = None
+    if grad_logprob is not None:
+        # An ignored row contributes nothing; its (masked) log-sum-exp may be -inf, so its softmax
+        # is taken against +inf (probabilities 0) rather than multiplied by a zero weight (NaN).
+        g_lp = torch.where(ignored, 0, _flat(grad_logprob, rows).to(dtype))
+        lse_lp = torch.where(ignored, float("inf"), lse_lp) if masked else lse_lp
+        g_target = torch.where(owned, g_lp, 0)
+    # An entropy returned only for logging gets a zero gradient: skip its recompute.
+    g_ent = None if grad_entropy is None or not bool(grad_entropy.any()) else _flat(grad_entropy, rows).to(dtype)
+    lse_ent = lse_full if masked else lse_lp
+    chunk = _rows_per_chunk(chunk_size, rows, vocab)
+    for sl, piece in _chunks(logits, chunk):
+        x = _scaled(piece, temperature, dtype)
+        lt = local_target[sl]
+        out = torch.zeros_like(x)
+        p_full = None
+        if g_lp is not None:
+            xm = _apply_keep_mask(x, keep_mask[None, :] if keep_rows is None else keep_rows[sl], lt, owned[sl]) \
+                if masked else x
+            p = (xm - lse_lp[sl, None]).exp()
+            if not masked:
+                p_full = p
+            out.addcmul_(p, g_lp[sl, None], value=-1)
+            out.scatter_add_(1, lt[:, None], g_target[sl, None])
+            del xm
+        if g_ent is not None:
+            z = x - lse_ent[sl, None]
+            if p_full is None:
+                p_full = z.exp()
+            # d entropy / dx = p (E[x] - x) = p (-H - (x - lse)); a -inf logit has p = 0 and contributes 0.
+            z = z.clamp_min(torch.finfo(dtype).min)
+            out.addcmul_(p_full, (-entropy.reshape(rows)[sl, None] - z) * g_ent[sl, None])
+            del z
+        if temperature != 1.0:
+            out.div_(temperature)
+        grad[sl] = out
+        del x, out, p_full
+    return grad.view(logits.shape)
+
+
+# ---- custom ops ----------------------------------------------------------------------------------
+@torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=())
+def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
+                       temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int,
+                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0])."""
+    return _forward(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size)
+
+
+@_vocab_parallel_op.register_fake
+def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size):
+    dtype = _compute_dtype(logits.dtype)
+    lead = logits.shape[:-1]
+    rows = math.prod(lead)
+    entropy = logits.new_empty(lead if with_entropy else (0,), dtype=dtype)
+    lse_full = logits.new_empty((rows,) if with_entropy and keep_mask is not None else (0,), dtype=dtype)
+    return logits.new_empty(lead, dtype=dtype), entropy, logits.new_empty((rows,), dtype=dtype), lse_full
+
+
+@torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy_backward", mutates_args=())
+def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None,
+                                lse_lp: torch.Tensor, lse_full: torch.Tensor, entropy: torch.Tensor,
+                                grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
+                                temperature: float, ignore_index: int, chunk_size: int) -> torch.Tensor:
+    """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
+    return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
+                     temperature, ignore_index, chunk_size)
+
+
+@_vocab_parallel_backward_op.register_fake
+def _(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name, temperature,
+      ignore_index, chunk_size):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size = inputs
+    logprob, entropy, lse_lp, lse_full = output
+    ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
+    ctx.entropy_grad = with_entropy and entropy_grad
+    # O(rows) beyond the inputs: the log-sum-exps and the entropy (the backward's E[x] = lse - H).
+    ctx.save_for_backward(logits, target, keep_mask, lse_lp, lse_full, entropy)
+    ctx.mark_non_differentiable(lse_lp, lse_full)
+    if not ctx.entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+
+
+def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 9
+    logits, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
+    if not ctx.entropy_grad:
+        grad_entropy = None
+    if grad_logprob is None and grad_entropy is None:
+        return (None,) * 9
+    grad = _vocab_parallel_backward_op(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob,
+                                       grad_entropy, ctx.group_name, ctx.temperature, ctx.ignore_index,
+                                       ctx.chunk_size)
+    return (grad,) + (None,) * 8
+
+
+_vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ---- public entry --------------------------------------------------------------------------------
+def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *, temperature: float = 1.0,
+                                   with_entropy: bool = False, entropy_grad: bool = True, ignore_index: int = -100,
+                                   keep_mask: torch.Tensor | None = None, chunk_size: int | None = None):
+    """Log-probabilities of `target` (and the entropy) under `softmax(logits / temperature)` over a
+    vocabulary split across the ranks of `group`.
+
+    Args:
+        logits: this rank's `[*, Vl]` slice of the global `[*, V]` logits (rank r of the group holds
+            columns `r * Vl .. (r + 1) * Vl - 1`, `V = group size * Vl`); any float dtype, read chunk
+            by chunk (bf16 is upcast one chunk at a time, never copied whole).
+        target: global token ids `[*]` (the logits' leading shape), the same on every rank.
+        group: the tensor-parallel `ProcessGroup`; None is the default group (or a single process
+            when torch.distributed is not initialized).
+        temperature: the logits are divided by it (exactly, per chunk) before the softmax.
+        with_entropy: also return the entropy of `softmax(logits / temperature)` per row.
+        entropy_grad: False makes the entropy non-differentiable (a logged metric).
+        ignore_index: rows whose target equals it get logprob 0 and no log-prob gradient; their
+            entropy (which does not read the target) is still computed and differentiable.
+        keep_mask: optional bool `[*, Vl]` or `[Vl]`: logits not kept count as -inf for the
+            log-prob (top-p replay); each row's own target is always kept, as in slime. The entropy
+            is that of the unmasked logits.
+        chunk_size: rows per chunk; None chooses about 16 MiB per fp32 `[chunk, Vl]` temporary.
+
+    Returns:
+        `(logprob, entropy)`, each of the logits' leading shape, float64 for float64 logits and fp32
+        otherwise; `entropy` is None unless `with_entropy`.
+
+    One all-gather (`all_gather_single`) of a `[group size * rows, 5..8]` statistics tensor per call (none
+    for a group of one), the same on every rank whatever the values, requires_grad or grad mode;
+    the backward issues none. Saves the inputs and O(rows) statistics for the backward.
+
+    Raises ValueError, on every rank together, for a non-ignored token id outside `[0, V)` or
+    targets that differ across the ranks of the group (checked on the gathered statistics).
+    """
+    if not isinstance(logits, torch.Tensor) or logits.ndim < 2:
+        raise ValueError("graphpass: logits must be this rank's [*, V/tp] slice of the vocabulary "
+                         f"(at least 2-D), got shape {tuple(getattr(logits, 'shape', ()))}")
+    if not logits.is_floating_point():
+        raise ValueError(f"graphpass: logits must be a float tensor, got {logits.dtype}")
+    if logits.shape[-1] == 0:
+        raise ValueError("graphpass: this rank's vocabulary slice is empty (logits.shape[-1] == 0); "
+                         "pad the vocabulary to a multiple of the tensor-parallel size")
+    if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype.is_complex \
+            or target.dtype == torch.bool:
+        raise ValueError("graphpass: target must be an integer tensor of token ids (e.g. torch.long), got "
+                         f"{getattr(target, 'dtype', type(target).__name__)}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"graphpass: target shape {tuple(target.shape)} must equal logits.shape[:-1] = "
+                         f"{tuple(logits.shape[:-1])} (one token id per row of logits)")
+    if keep_mask is not None:
+        if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
+            raise ValueError("graphpass: keep_mask must be a bool tensor (True = kept), got "
+                             f"{getattr(keep_mask, 'dtype', type(keep_mask).__name__)}")
+        if tuple(keep_mask.shape) not in (tuple(logits.shape), (logits.shape[-1],)):
+            raise ValueError(f"graphpass: keep_mask shape {tuple(keep_mask.shape)} must be the logits' shape "
+                             f"{tuple(logits.shape)} or ({logits.shape[-1]},) (this rank's vocabulary slice)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"graphpass: temperature must be a positive Python number, got {temperature!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {chunk_size!r}")
+    logprob, entropy, _, _ = _vocab_parallel_op(logits, target, keep_mask, _group_name(group), float(temperature),
+                                                bool(with_entropy), bool(entropy_grad), int(ignore_index),
+                                                chunk_size or 0)
+    return logprob, (entropy if with_entropy else None)

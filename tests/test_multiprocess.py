@@ -1,0 +1,58 @@
+"""The multi-process harness (`_multiprocess`): results in rank order, a rank's exception re-raised
+with its traceback, a hung rank killed at the deadline, and each rank's collectives logged."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _multiprocess import RankFailed, collective_log, collectives, run_ranks
+
+
+def _work(rank, world_size):
+    if rank == 1:
+        raise KeyError("rank one's own failure")
+    t = torch.full((3,), float(rank))
+    with collectives() as log:
+        dist.all_reduce(t)  # rank 1 never joins: rank 0 waits here until the harness kills it
+    return log, collective_log()
+
+
+def _log_and_sum(rank, world_size):
+    t = torch.full((2, 3), float(rank + 1))
+    with collectives() as log:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out = torch.empty(world_size * 2, 3)
+        dist.all_gather_into_tensor(out, t)
+    return log, t, out
+
+
+def _sleep(rank, world_size):
+    time.sleep(60)
+
+
+def test_results_in_rank_order_and_collectives_logged():
+    results = run_ranks(_log_and_sum, 2, timeout_s=60)
+    (log0, t0, out0), (log1, t1, out1) = results
+    assert torch.equal(t0, torch.full((2, 3), 2.0)) and torch.equal(out1, torch.full((4, 3), 2.0))
+    assert log0 == log1
+    assert [entry[0] for entry in log0] == ["all_reduce", "all_gather_into_tensor"]  # logged once, not per alias
+    assert log0[0] == ("all_reduce", (((2, 3), "float32"),), str(dist.ReduceOp.MAX), 2)
+
+
+def test_a_rank_exception_is_reraised_with_its_traceback():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_work, 2, timeout_s=60, grace_s=1)
+    text = str(info.value)
+    assert "rank 1 of 2 failed" in text and "KeyError" in text and "rank one's own failure" in text
+    assert "_work" in text  # the rank's traceback, not only the exception
+
+
+def test_a_hung_rank_is_killed_at_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"did not finish within 3 s and were killed"):
+        run_ranks(_sleep, 2, timeout_s=3)
+    assert time.monotonic() - start < 20
