@@ -391,6 +391,23 @@ def test_single_process_without_torch_distributed():
     assert _err(logits.grad, ref_full.grad) < 1e-10
 
 
+def test_ignore_index_is_any_id_and_no_rows_is_empty():
+    full = torch.randn(9, 12, dtype=torch.float64)
+    target = torch.tensor([5, 1, 5, 11, 0, 5, 3, 2, 7])
+    logits = full.clone().requires_grad_()
+    lp, ent = vocab_parallel_logprob_entropy(logits, target, ignore_index=5, with_entropy=True)
+    lp.sum().backward()
+    ref_full = full.clone().requires_grad_()
+    ref_lp, ref_ent = reference(ref_full, target, ignore_index=5)
+    ref_lp.sum().backward()
+    assert lp[target == 5].eq(0).all() and logits.grad[target == 5].eq(0).all()
+    assert _err(lp, ref_lp) < 1e-10 and _err(ent, ref_ent) < 1e-10 and _err(logits.grad, ref_full.grad) < 1e-10
+    empty = torch.randn(0, 12, requires_grad=True)
+    lp, ent = vocab_parallel_logprob_entropy(empty, target[:0], with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert lp.shape == ent.shape == (0,) and empty.grad.shape == (0, 12)
+
+
 def test_leading_dims_and_strided_logits():
     full = torch.randn(2, 7, 13, dtype=torch.float64)
     logits = full[:, :-1]  # [2, 6, 13], not viewable as [12, 13]
