@@ -20,7 +20,7 @@ import torch
 
 from graphpass._torch_api import is_aten_overload, known_equal
 from graphpass.analysis import catalogue
-from graphpass.layouts import Role
+from graphpass.analysis.layouts import Role
 
 aten = torch.ops.aten
 

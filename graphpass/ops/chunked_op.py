@@ -19,10 +19,10 @@ import itertools
 import torch
 
 from graphpass import _torch_api
-from graphpass.layouts import Role
+from graphpass.analysis.layouts import Role
 from graphpass.ops.joint import ArgSpec, JointSplit
 
-# How an input lies over the region's rows (`graphpass.layouts`): WIDE inputs are read through
+# How an input lies over the region's rows (`graphpass.analysis.layouts`): WIDE inputs are read through
 # views chunk by chunk, ROW inputs (narrow) flattened to [R, w], BCAST reshaped to [1, w], SCALAR
 # passed as it is.
 WIDE, ROW, BCAST, SCALAR = Role.WIDE, Role.ROW, Role.BCAST, Role.SCALAR
