@@ -159,6 +159,11 @@ def same_size(a, b) -> bool:
     return a.node.expr == b.node.expr
 
 
+def same_shape(a, b) -> bool:
+    """Two shapes of equal rank whose sizes are each `same_size`."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
 def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node, fake_mode) -> torch.fx.Node:
     """A node holding the runtime float `scalar` (a SymFloat) as a 0-d float64 tensor; `fake_mode`
     is the graph's, for the new nodes' example values.

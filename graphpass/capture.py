@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
+from graphpass.analysis.rowlocal import slice_span
 
 aten = torch.ops.aten
 
@@ -333,17 +334,11 @@ def _read_back_writes(graph: torch.fx.Graph) -> None:
         scatter = node.args[0]
         if scatter.op != "call_function" or scatter.target is not aten.slice_scatter.default:
             continue
-        span, written = _slice_span(node.args[1:], node.kwargs), _slice_span(scatter.args[2:], scatter.kwargs)
+        span, written = slice_span(node), slice_span(scatter)
         src = scatter.args[1]
         if span == written and tuple(src.meta["val"].shape) == tuple(node.meta["val"].shape):
             node.replace_all_uses_with(src)
             graph.erase_node(node)
-
-
-def _slice_span(args, kwargs) -> tuple:
-    """(dim, start, end, step) of a slice's or slice_scatter's trailing arguments."""
-    names, defaults = ("dim", "start", "end", "step"), (0, None, None, 1)
-    return tuple(args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults)))
 
 
 def _apply_input_mutations(graph: torch.fx.Graph, mutated_inputs: list) -> None:

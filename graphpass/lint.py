@@ -10,16 +10,16 @@ source line, recorded in `GraphRecord.warnings`.
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 
 import torch
+
+from graphpass.analysis.regions import stack_frames
 
 log = logging.getLogger("graphpass")
 
 # Frames of Dynamo's remapping of `dist.all_reduce` to the functional op (torch 2.13).
 _INPLACE_ALL_REDUCE_FRAMES = ("all_reduce_inplace", "_remapped_allreduce")
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
 
 _warned: set[str] = set()
 
@@ -55,8 +55,5 @@ def _is_differentiable_inplace_all_reduce(node) -> bool:
 
 def user_frame(stack_trace: str) -> tuple[str, str]:
     """("file.py:LINE", source text) of the innermost frame outside torch, or ("?", "")."""
-    frames = [m for m in _FRAME.finditer(stack_trace) if "/torch/" not in m["file"]]
-    if not frames:
-        return "?", ""
-    m = frames[-1]
-    return f"{m['file'].rsplit('/', 1)[-1]}:{m['line']}", m["code"].strip()
+    frames = [f for f in stack_frames(stack_trace) if "/torch/" not in f.path]
+    return (frames[-1].where, frames[-1].code) if frames else ("?", "")

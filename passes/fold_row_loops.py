@@ -34,9 +34,10 @@ import operator
 import torch
 import torch.fx
 
-from graphpass._torch_api import detect_fake_mode, is_aten_overload, same_size
+from graphpass._torch_api import detect_fake_mode, same_shape, same_size
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
+from graphpass.analysis.rowlocal import slice_span
 
 aten = torch.ops.aten
 
@@ -83,7 +84,7 @@ def _chain_as_cat(graph, end) -> None:
     when the slices tile `buf`'s dim `d` (every value of `buf` overwritten)."""
     writes, dims, node = [], set(), end
     while node.op == "call_function" and node.target is aten.slice_scatter.default:
-        dim, start, stop, step = _slice_span(node.args[2:], node.kwargs)
+        dim, start, stop, step = slice_span(node)
         if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, stop)):
             return
         writes.append((start, stop, node.args[1]))
@@ -106,12 +107,6 @@ def _chain_as_cat(graph, end) -> None:
     end.replace_all_uses_with(cat)
 
 
-def _slice_span(args, kwargs) -> tuple:
-    """(dim, start, end, step) from a slice's (or slice_scatter's) arguments after its tensors."""
-    names, defaults = ("dim", "start", "end", "step"), (0, None, None, 1)
-    return tuple(args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults)))
-
-
 def _clamp(index, size: int) -> int:
     if index is None:
         return size
@@ -124,7 +119,7 @@ def _written_value(value):
     while value.op == "call_function" and (
             value.target is aten.clone.default
             or (value.target is aten.expand_as.default
-                and _same_shape(value.args[0].meta["val"].shape, value.meta["val"].shape))):
+                and same_shape(value.args[0].meta["val"].shape, value.meta["val"].shape))):
         value = value.args[0]
     return value
 
@@ -144,7 +139,6 @@ class _Folder:
 
     def fold(self, node) -> None:
         pieces = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         if not pieces or not all(isinstance(p, torch.fx.Node) for p in pieces):
             return
         if node.target is aten.cat.default and len(pieces) == 1:
@@ -183,7 +177,7 @@ class _Folder:
                 return None
             with self.graph.inserting_before(self.successor[last]):
                 folded = batcher.node(aten.flatten.using_ints, (folded, dim, dim + 1), {}, node)
-        return folded if _same_shape(folded.meta["val"].shape, want.shape) else None
+        return folded if same_shape(folded.meta["val"].shape, want.shape) else None
 
 
 class _Loop:
@@ -237,7 +231,7 @@ class _Loop:
         elif self.kind == "stack" and node.target is aten.select.int:
             dim, index = node.args[1:3]
         elif self.kind == "cat" and node.target is aten.slice.Tensor:
-            dim, start, stop, step = _slice_span(node.args[1:], node.kwargs)
+            dim, start, stop, step = slice_span(node)
             if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, stop)):
                 return None
             index = (start, stop)
@@ -278,15 +272,11 @@ class _Loop:
 
     def body(self, order: dict) -> list:
         """Piece 0's nodes that depend on its picks, in graph order; the rest is loop-invariant."""
-        batched, changed = set(self.picks[0]), True
-        nodes = set(self.matched[0])
-        while changed:
-            changed = False
-            for n in nodes - batched:
-                if any(a in batched for a in n.all_input_nodes):
-                    batched.add(n)
-                    changed = True
-        return sorted(batched - set(self.picks[0]), key=order.__getitem__)
+        picks, batched = set(self.picks[0]), set(self.picks[0])
+        for n in sorted(set(self.matched[0]) - picks, key=order.__getitem__):  # inputs come first
+            if any(a in batched for a in n.all_input_nodes):
+                batched.add(n)
+        return sorted(batched - picks, key=order.__getitem__)
 
 
 class _Batcher:
@@ -317,7 +307,7 @@ class _Batcher:
         val = node.meta.get("val")
         if not isinstance(val, (torch.Tensor, tuple, list)):
             return False
-        if target is aten.expand_as.default and _same_shape(args[0].meta["val"].shape, val.shape):
+        if target is aten.expand_as.default and same_shape(args[0].meta["val"].shape, val.shape):
             self.env[node], self.batch_dim[node] = self.env[args[0]], self.batch_dim[args[0]]
             return True  # a no-op expand (a functional copy_ of a same-shape chunk)
         if target is operator.getitem:
@@ -438,10 +428,7 @@ def _keepdim(node) -> bool:
 
 
 def _is_elementwise(target) -> bool:
-    if target in catalogue.ELEMENTWISE:
-        return True
-    return (is_aten_overload(target) and torch.Tag.pointwise in target.tags
-            and torch.Tag.nondeterministic_seeded not in target.tags)
+    return target in catalogue.ELEMENTWISE or catalogue.is_deterministic_pointwise(target)
 
 
 def _freeze(value):
@@ -456,7 +443,3 @@ def _freeze(value):
     except TypeError:
         return ("unhashable", id(value))
     return (type(value).__name__, value)
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))

@@ -23,7 +23,8 @@ import operator
 import torch
 import torch.fx
 
-from graphpass._torch_api import detect_fake_mode, is_aten_overload, same_size
+from graphpass._torch_api import detect_fake_mode, same_shape, same_size
+from graphpass.analysis.catalogue import is_deterministic_pointwise
 from graphpass.analysis.rowlocal import derives_from_reduction
 
 aten = torch.ops.aten
@@ -60,7 +61,7 @@ def _movable(user, source) -> bool:
     # A reshape moves only onto contiguous operands, where it stays a view (never a copy).
     shape = source.meta["val"].shape
     return user.target in _RESHAPES and all(
-        a.meta["val"].ndim == 0 or (_same_shape(a.meta["val"].shape, shape) and a.meta["val"].is_contiguous())
+        a.meta["val"].ndim == 0 or (same_shape(a.meta["val"].shape, shape) and a.meta["val"].is_contiguous())
         for a in source.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
 
 
@@ -117,17 +118,12 @@ def _split_as_slices(graph, split) -> None:
     graph.erase_node(split)
 
 
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
-
-
 def _is_elementwise(node) -> bool:
     """A deterministic pointwise op (or cast) whose tensor operands broadcast to its output."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or "val" not in node.meta:
         return False
     target = node.target
-    pointwise = (is_aten_overload(target) and torch.Tag.pointwise in target.tags
-                 and torch.Tag.nondeterministic_seeded not in target.tags)
+    pointwise = is_deterministic_pointwise(target)
     cast = target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
     if not (pointwise or cast) or not isinstance(node.meta["val"], torch.Tensor):
         return False

@@ -11,6 +11,8 @@ import operator
 
 import torch
 
+from graphpass._torch_api import is_aten_overload
+
 aten = torch.ops.aten
 
 # ---- values unchanged in meaning ----------------------------------------------------------------
@@ -86,6 +88,12 @@ BLOCKS_GRAD = {
     aten.empty_like.default, aten.full_like.default, aten.item.default,
 }
 MULTIPLIES = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def is_deterministic_pointwise(target) -> bool:
+    """An ATen op tagged pointwise that draws no random numbers (so it may be moved or batched)."""
+    return (is_aten_overload(target) and torch.Tag.pointwise in target.tags
+            and torch.Tag.nondeterministic_seeded not in target.tags)
 
 
 def packets(ops) -> set:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import torch
 
@@ -40,15 +41,30 @@ class Region:
 
 def source_of(node: torch.fx.Node) -> str:
     """The user's `file.py:LINE` that produced `node`, from its stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    if not lines:
-        return "<unknown>"
-    # 'File "/path/loss.py", line 12, in fn'
-    parts = lines[-1].split('"')
-    path = parts[1] if len(parts) > 2 else "?"
-    line = lines[-1].split("line ")[-1].split(",")[0]
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
+    frames = stack_frames(node.meta.get("stack_trace") or "")
+    return frames[-1].where if frames else "<unknown>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of a node's stack trace."""
+
+    path: str
+    line: int
+    code: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.rsplit('/', 1)[-1]}:{self.line}"
+
+
+# 'File "/path/loss.py", line 12, in fn' and the source line under it
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in [^\n]*(?:\n(?!\s*File )(?P<code>[^\n]*))?')
+
+
+def stack_frames(stack_trace: str) -> list[Frame]:
+    """The frames of an FX node's `stack_trace`, outermost first."""
+    return [Frame(m["path"], int(m["line"]), (m["code"] or "").strip()) for m in _FRAME.finditer(stack_trace)]
 
 
 def _wide(layout, vocab) -> bool:

@@ -128,6 +128,12 @@ def normalized_args(node) -> dict | None:
     return kw
 
 
+def slice_span(node) -> tuple:
+    """(dim, start, end, step) of a `slice` or `slice_scatter` node, defaults filled in."""
+    args = normalized_args(node)
+    return args["dim"], args["start"], args["end"], args["step"]
+
+
 def _last_dim(dim, ndim) -> bool:
     return isinstance(dim, int) and dim % max(ndim, 1) == ndim - 1
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphpass._torch_api import is_aten_overload, same_size
+from graphpass._torch_api import same_shape
+from graphpass.analysis.catalogue import is_deterministic_pointwise
 
 aten = torch.ops.aten
 
@@ -40,7 +41,7 @@ def _push_gather(graph, gather) -> None:
         return
     # gather allows an index with fewer rows than its source; pushed down, that would broadcast.
     index_val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
-    if index_val is None or not _same_shape(index_val.shape[:-1], src.meta["val"].shape[:-1]):
+    if index_val is None or not same_shape(index_val.shape[:-1], src.meta["val"].shape[:-1]):
         return
     with graph.inserting_before(gather):
         gather.replace_all_uses_with(_gathered(graph, src, dim, index))
@@ -53,7 +54,7 @@ def _gathered(graph, src, dim, index):
     shape = src.meta["val"].shape
 
     def picked(arg):
-        if isinstance(arg, torch.fx.Node) and _same_shape(arg.meta["val"].shape, shape):
+        if isinstance(arg, torch.fx.Node) and same_shape(arg.meta["val"].shape, shape):
             return _gathered(graph, arg, dim, index)
         return arg
 
@@ -65,8 +66,7 @@ def _is_elementwise(node) -> bool:
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
     target = node.target
-    pointwise = (is_aten_overload(target) and torch.Tag.pointwise in target.tags
-                 and torch.Tag.nondeterministic_seeded not in target.tags)  # a random op must not move
+    pointwise = is_deterministic_pointwise(target)  # a random op must not move
     cast = target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
     if not (pointwise or cast) or "val" not in node.meta:
         return False
@@ -75,7 +75,7 @@ def _is_elementwise(node) -> bool:
         val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
         if isinstance(arg, torch.fx.Node) and not isinstance(val, torch.Tensor):
             return False
-        if val is None or val.ndim == 0 or _same_shape(val.shape, shape):
+        if val is None or val.ndim == 0 or same_shape(val.shape, shape):
             continue
         if not (val.ndim == len(shape) and val.shape[-1] == 1):
             return False
@@ -89,7 +89,7 @@ def _scatter_as_select(graph, scatter) -> None:
         return
     size, index_val = base.meta["val"].shape, index.meta.get("val")
     if not (_is_last_dim(dim, base) and index_val is not None and index_val.shape[-1] == 1
-            and _same_shape(index_val.shape[:-1], size[:-1]) and isinstance(size[-1], int)):
+            and same_shape(index_val.shape[:-1], size[:-1]) and isinstance(size[-1], int)):
         return
     with graph.inserting_before(scatter):
         columns = graph.call_function(aten.arange.default, (size[-1],),
@@ -108,7 +108,3 @@ def _is_zeros(node) -> bool:
 
 def _is_last_dim(dim, node) -> bool:
     return isinstance(node, torch.fx.Node) and "val" in node.meta and dim in (-1, node.meta["val"].ndim - 1)
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
