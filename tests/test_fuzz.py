@@ -107,7 +107,8 @@ def test_programs_are_determined_by_their_seed_and_run_eagerly():
 
 # The fixed seeds run with the eager inner compiler: the capture and the passes are the same, and
 # compiling every site's per-chunk kernels (60% of an aot_eager run) would take the 100 programs
-# from about 2.5 to 6 minutes on 2 cores. The hypothesis test and `python -m bench.fuzz` use aot_eager.
+# from about 2.5 to 6 minutes on 2 cores. The hypothesis test uses aot_eager (`check_source`'s
+# default); `python -m bench.fuzz` uses eager unless given --inner.
 FIXED_SEEDS_INNER = "eager"
 
 
