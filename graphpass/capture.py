@@ -44,6 +44,12 @@ class _Hop:
     args: tuple  # the HOP's args; tensor arguments replaced by their position among `tensors`
     kwargs: dict
     submodules: dict  # get_attr name -> module, for subgraph arguments
+    mutates_inputs: str | None = None  # why the op cannot be put back (a pass may still replace it)
+
+    @property
+    def bodies(self) -> list:
+        """Its subgraphs, in argument order (an autograd.Function's: forward, backward)."""
+        return [self.submodules[a.name] for a in self.args if isinstance(a, _Submodule)]
 
 
 @dataclasses.dataclass
@@ -61,6 +67,8 @@ class Captured:
         graph = gm.graph
         for node in list(graph.find_nodes(op="call_function", target=_opaque_op())):
             hop = self.hops[node.args[0]]
+            if hop.mutates_inputs:
+                raise CantCapture(hop.mutates_inputs)
             tensors = node.args[1]
             with graph.inserting_before(node):
                 args = []
@@ -205,7 +213,7 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not _torch_api.is_higher_order_op(node.target):
             continue
-        _check_stubbable(gm, node)
+        mutates_inputs = _check_stubbable(gm, node)
         tensors, args, submodules = [], [], {}
         for a in node.args:
             if isinstance(a, torch.fx.Node) and a.op == "get_attr":
@@ -217,7 +225,7 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
             else:
                 args.append(a)
         key = f"hop{next(_counter)}"
-        hops[key] = _HOPS[key] = _Hop(node.target, tuple(args), dict(node.kwargs), submodules)
+        hops[key] = _HOPS[key] = _Hop(node.target, tuple(args), dict(node.kwargs), submodules, mutates_inputs)
         with gm.graph.inserting_before(node):
             stub = gm.graph.call_function(_opaque_op(), (key, tensors))
         stub.meta.update(node.meta)
@@ -227,7 +235,10 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
     return hops
 
 
-def _check_stubbable(gm, node) -> None:
+def _check_stubbable(gm, node) -> str | None:
+    """Raise CantCapture if `node` cannot stand behind a stub. An autograd.Function whose forward
+    writes into its inputs (Megatron's cross-entropy uses its logits as scratch) is stubbed with
+    the reason returned: a pass may replace it; if none does, `restore` raises."""
     name = getattr(node.target, "__name__", str(node.target))
     for a in node.args:
         if isinstance(a, torch.fx.Node) and a.op != "get_attr" and not isinstance(_example(a), torch.Tensor):
@@ -240,7 +251,18 @@ def _check_stubbable(gm, node) -> None:
         raise CantCapture(f"higher-order op {name} returns something other than a tuple of tensors")
     for body in _forward_bodies(gm, node):
         if _mutates_inputs(body):
-            raise CantCapture(f"higher-order op {name} mutates its inputs")
+            reason = f"higher-order op {name} mutates its inputs"
+            if node.target is not _torch_api.autograd_function_apply():
+                raise CantCapture(reason)
+            return reason
+    return None
+
+
+def hop_of(node: torch.fx.Node) -> _Hop | None:
+    """The higher-order op behind stub `node`, None if `node` is not a stub."""
+    if node.op != "call_function" or node.target is not _opaque_op():
+        return None
+    return _HOPS[node.args[0]]
 
 
 def _forward_bodies(gm, node) -> list:

@@ -24,6 +24,18 @@ class OutputRecord:
 
 
 @dataclasses.dataclass
+class CollectiveRecord:
+    """One collective a rewritten site issues per call."""
+
+    op: str
+    """The collective, e.g. "all_gather"."""
+    group_size: int
+    """Ranks in its group."""
+    bytes: int
+    """Bytes this rank contributes, at the recorded shape (symbolic sizes at their example values)."""
+
+
+@dataclasses.dataclass
 class SiteRecord:
     """A row-local region replaced by one chunked, recomputing op."""
 
@@ -50,6 +62,12 @@ class SiteRecord:
     """Transient bytes of one chunk's kernels, forward or backward, beyond the op's inputs, outputs
     and saved row statistics, at the recorded shape; the memory model adds them while the op runs.
     None: not recorded (read as 0, which is what inductor's fused kernels keep)."""
+    tp_size: int = 1
+    """Ranks the vocabulary is split across (1: the site holds the whole vocabulary)."""
+    group: str | None = None
+    """The tensor-parallel process group's name, None when `tp_size == 1`."""
+    collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
+    """The collectives one call issues (none in backward)."""
 
     @property
     def grads_kept(self) -> list[bool]:
@@ -74,6 +92,8 @@ class GraphRecord:
     rejected: list[Candidate] = dataclasses.field(default_factory=list)
     fallback_reason: str | None = None
     """Set when the whole rewrite failed and the graph ran unchanged."""
+    collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
+    """Every collective graphpass inserted or rewrote in this graph, per call of the graph."""
     passes_run: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     """Where torch.compile itself changes the math of this graph (`graphpass.lint`)."""

@@ -299,7 +299,13 @@ def _index_key(idx):
 
 
 class _Evaluator:
-    """Evaluates nodes into normal forms (Lin or PW), memoised per node."""
+    """Evaluates nodes into normal forms (Lin or PW), memoised per node.
+
+    `handlers` (by overload packet) and `eps` (the largest constant read as a guard against
+    log(0)) are class attributes, so that a stricter evaluator can override them.
+    """
+
+    eps = _EPS
 
     def __init__(self):
         self.memo: dict[torch.fx.Node, object] = {}
@@ -318,11 +324,15 @@ class _Evaluator:
         if source is not None:
             return self(source)
         p = _packet(n)
-        handler = _HANDLERS.get(p)
+        handler = self.handlers.get(p)
         if handler is not None:
             out = handler(self, n)
             if out is not None:
                 return out
+        return self.unknown(n)
+
+    def unknown(self, n: torch.fx.Node):
+        """The form of a value not understood: a row constant if narrow, else a fresh logits leaf."""
         val = _val(n)
         if isinstance(val, torch.Tensor) and (val.ndim == 0 or _same_size(val.shape[-1], 1)):
             return {("c", n): 1.0}  # one value per row: a row constant
@@ -392,7 +402,7 @@ def _h_add_sub(sign: float):
             return _add(fa, _scale(fb, sign * alpha))
         for prob, other in ((fa, fb), (fb, fa)):
             c = _only_const(other) if isinstance(prob, (PW, Exp)) else None
-            if c is not None and abs(c) <= _EPS:
+            if c is not None and abs(c) <= ev.eps:
                 return prob  # p + eps, a guard against log(0)
         if isinstance(fa, PW) and isinstance(fb, PW) and fa.logits == fb.logits:
             return _pw(fa.logits, _add(fa.lin, _scale(fb.lin, sign * alpha)))
@@ -647,6 +657,9 @@ _HANDLERS = {
     aten.nll_loss_nd: _h_nll_loss,
     aten.nll_loss: _h_nll_loss,
 }
+
+
+_Evaluator.handlers = _HANDLERS
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,6 +46,11 @@ def _stat_columns(with_entropy: bool, masked: bool) -> int:
     return 8 if masked else 6
 
 
+def collective_bytes(rows: int, dtype: torch.dtype, with_entropy: bool, masked: bool) -> int:
+    """Bytes one rank contributes to the call's all-gather, for `rows` rows of `dtype` logits."""
+    return rows * _stat_columns(with_entropy, masked) * _compute_dtype(dtype).itemsize
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 logits are computed (and returned) in float64; every other float dtype in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -199,16 +204,16 @@ def _finish(stats, with_entropy: bool, masked: bool, ignored, target_flat, vocab
 
 
 # ---- forward -------------------------------------------------------------------------------------
-def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int):
+def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None):
     """(this rank's column of each target clamped into the slice, owned here, ignored)."""
-    ignored = target_flat == ignore_index
+    ignored = torch.zeros_like(target_flat, dtype=torch.bool) if ignore_index is None else target_flat == ignore_index
     local = target_flat.long() - rank * vocab
     owned = (local >= 0) & (local < vocab) & ~ignored
     return local.clamp(0, max(0, vocab - 1)), owned, ignored
 
 
 def _forward(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
-             ignore_index: int, chunk_size: int):
+             ignore_index: int | None, chunk_size: int):
     group, rank, size = _rank_and_size(group_name)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
@@ -259,7 +264,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
 
 # ---- backward ------------------------------------------------------------------------------------
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
-              temperature: float, ignore_index: int, chunk_size: int):
+              temperature: float, ignore_index: int | None, chunk_size: int):
     """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective."""
     _, rank, _ = _rank_and_size(group_name)
     vocab = logits.shape[-1]
@@ -312,7 +317,7 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
 # ---- custom ops ----------------------------------------------------------------------------------
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=())
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
-                       temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int,
+                       temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
                        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0])."""
     return _forward(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size)
@@ -332,7 +337,7 @@ def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_
 def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None,
                                 lse_lp: torch.Tensor, lse_full: torch.Tensor, entropy: torch.Tensor,
                                 grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
-                                temperature: float, ignore_index: int, chunk_size: int) -> torch.Tensor:
+                                temperature: float, ignore_index: int | None, chunk_size: int) -> torch.Tensor:
     """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
     return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
                      temperature, ignore_index, chunk_size)
@@ -375,7 +380,7 @@ _vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_co
 
 # ---- public entry --------------------------------------------------------------------------------
 def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, group=None, *, temperature: float = 1.0,
-                                   with_entropy: bool = False, entropy_grad: bool = True, ignore_index: int = -100,
+                                   with_entropy: bool = False, entropy_grad: bool = True, ignore_index: int | None = -100,
                                    keep_mask: torch.Tensor | None = None, chunk_size: int | None = None):
     """Log-probabilities of `target` (and the entropy) under `softmax(logits / temperature)` over a
     vocabulary split across the ranks of `group`.
@@ -391,7 +396,8 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
         with_entropy: also return the entropy of `softmax(logits / temperature)` per row.
         entropy_grad: False makes the entropy non-differentiable (a logged metric).
         ignore_index: rows whose target equals it get logprob 0 and no log-prob gradient; their
-            entropy (which does not read the target) is still computed and differentiable.
+            entropy (which does not read the target) is still computed and differentiable. None:
+            no id is ignored (every target must be in the vocabulary).
         keep_mask: optional bool `[*, Vl]` or `[Vl]`: logits not kept count as -inf for the
             log-prob (top-p replay); each row's own target is always kept, as in slime. The entropy
             is that of the unmasked logits.
@@ -435,6 +441,7 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {chunk_size!r}")
     logprob, entropy, _, _ = _vocab_parallel_op(logits, target, keep_mask, _group_name(group), float(temperature),
-                                                bool(with_entropy), bool(entropy_grad), int(ignore_index),
+                                                bool(with_entropy), bool(entropy_grad),
+                                                None if ignore_index is None else int(ignore_index),
                                                 chunk_size or 0)
     return logprob, (entropy if with_entropy else None)

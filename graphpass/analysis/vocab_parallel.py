@@ -1,0 +1,396 @@
+"""Recognise a vocab-parallel log-prob / entropy computation: the forward of Megatron's, slime's or
+any similar `autograd.Function`, from its functional ATen graph.
+
+Such a forward runs on this rank's slice of the vocabulary (`[T, V/tp]` logits, global token ids)
+and all-reduces row statistics over the tensor-parallel group. Its outputs are evaluated into the
+normal forms of `recognize`, with the vocabulary split across the ranks:
+
+* elementwise math on the local logits is the same math on the global logits, restricted to the
+  slice, so wide forms keep their meaning;
+* a sum over the local vocabulary is `Partial(f)`: this rank's share of the global sum `f`. Only a
+  SUM all-reduce over the group makes it `f`, and only when the row constants in `f` are the same
+  on every rank (computed from all-reduced values and constants alone);
+* the target's logit is read where this rank owns the target:
+  `x[rows, index_put(t - s, [(t < s) | (t >= e)], 0)]` with the rows not owned then zeroed is
+  `Partial(gather(t))`, when `s` is this rank's first column and `e - s` the slice width;
+* every other reduction over the vocabulary (a local softmax, log-sum-exp, gather, max) is not
+  understood: a max only ever serves as a row constant, which cancels.
+
+A forward matches when each output is exactly a log-prob or an entropy of the logits input (or
+its negation), scaled by at most a constant temperature, or an empty tensor. Anything else is
+reported as a reason and the Function stays as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from graphpass import _torch_api
+from graphpass.analysis import catalogue, recognize
+from graphpass.analysis.recognize import PW, Exp, OutputLabel
+
+aten = torch.ops.aten
+
+#: What an output of a matched forward is, besides the four labels: an empty tensor (slime returns
+#: `new_zeros((0,))` for an entropy it was not asked for).
+EMPTY = "empty"
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelMatch:
+    """A forward that computes vocab-parallel log-probs and/or entropies."""
+
+    logits: int
+    """Position of the local logits `[..., V/tp]` among the forward's inputs."""
+    target: int | None
+    """Position of the global token ids; None when no output is a log-prob."""
+    group_name: str
+    """The tensor-parallel group its all-reduces use."""
+    group_size: int
+    """Its number of ranks."""
+    temperature: float
+    """The logits are divided by it inside the forward (1.0: unscaled)."""
+    outputs: tuple[str, ...]
+    """Per output: "logprob", "-logprob", "entropy", "-entropy" or "empty"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Partial:
+    """This rank's share of a sum over the vocabulary: summed over the ranks, it is `form`."""
+
+    form: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owned:
+    """The target's logit form `form` on the rows whose target this rank owns, garbage elsewhere."""
+
+    form: object
+    target: torch.fx.Node
+
+
+_COLLECTIVES = torch.ops._c10d_functional
+_OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
+_TRANSPARENT = catalogue.packets(catalogue.VIEWS) | catalogue.packets(catalogue.CASTS)
+
+
+def _strip(node):
+    """`node` behind views, casts and copies (they change neither the values nor their meaning)."""
+    while recognize._packet(node) in _TRANSPARENT:
+        node = node.args[0]
+    return node
+
+
+def _constant(gm, x):
+    """The Python number `x` stands for (a number, or a lifted 0-d constant tensor), else None."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x
+    x = _strip(x) if isinstance(x, torch.fx.Node) else x
+    if isinstance(x, torch.fx.Node) and x.op == "get_attr":
+        value = getattr(gm, x.target, None)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not _torch_api.is_fake(value):
+            return value.item()
+    return None
+
+
+class _ShardEvaluator(recognize._Evaluator):
+    """`recognize`'s evaluator for a forward that holds one slice of the vocabulary (module doc)."""
+
+    eps = 0.0  # exact: this recognition replaces code, it does not only label it
+
+    def __init__(self, gm: torch.fx.GraphModule, logits: torch.fx.Node, first_column: int, width: int):
+        super().__init__()
+        self.gm, self.logits, self.first_column, self.width = gm, logits, first_column, width
+        self.group_names: set[str] = set()
+        self.after_collective = self._derived_from_collectives_only(gm.graph)
+
+    def _eval(self, n):
+        # The forms of `recognize` do not know shares: an op that is not written for them and
+        # reads one computes something this evaluator does not understand.
+        if recognize._packet(n) not in _SHARE_AWARE and \
+                any(isinstance(self(a), (_Partial, _Owned)) for a in n.all_input_nodes):
+            return self.unknown(n)
+        return super()._eval(n)
+
+    @staticmethod
+    def _derived_from_collectives_only(graph) -> set:
+        """Nodes computed from all-reduce results and constants alone: the same on every rank."""
+        same = set()
+        for node in graph.nodes:
+            if node.op == "get_attr" or recognize._packet(node) is _COLLECTIVES.all_reduce:
+                same.add(node)
+            elif node.op == "call_function":
+                # `expand_as(x, like)` reads only the shape of `like`.
+                inputs = node.args[:1] if node.target in catalogue.SHAPE_ONLY_SECOND_ARG else node.all_input_nodes
+                if all(a in same for a in inputs if isinstance(a, torch.fx.Node)):
+                    same.add(node)
+        return same
+
+    # -- forms that are the same on every rank ---------------------------------------------
+    def _replicated_key(self, key) -> bool:
+        if key is self.logits:
+            return True
+        if isinstance(key, tuple) and key[:1] == ("scale",):
+            return self._replicated_key(key[1]) and isinstance(key[3], float)
+        return False
+
+    def replicated(self, form) -> bool:
+        """Whether `form` means the same thing on every rank (its row constants, its logits)."""
+        if isinstance(form, (PW, Exp)):
+            return (not isinstance(form, PW) or self._replicated_key(form.logits)) and self.replicated(form.lin)
+        if not isinstance(form, dict):
+            return False
+        for atom in form:
+            kind = atom[0]
+            if kind == "one":
+                continue
+            if kind == "c":
+                if atom[1] not in self.after_collective:
+                    return False
+            elif kind in ("x", "lse", "sumpx"):
+                if not self._replicated_key(atom[1]):
+                    return False
+            elif kind == "gather":
+                if not self._replicated_key(atom[1]) or atom[2].op != "placeholder":
+                    return False
+            else:
+                return False
+        return True
+
+    # -- the ownership pattern -------------------------------------------------------------
+    def ownership_mask(self, node):
+        """The target `t` if `node` is `(t < s) | (t >= e)` for this rank's columns [s, e), else None."""
+        node = _strip(node)
+        if recognize._packet(node) not in _OR:
+            return None
+        below, above = (_strip(a) for a in node.args[:2])
+        if recognize._packet(below) is aten.ge:
+            below, above = above, below
+        if recognize._packet(below) is not aten.lt or recognize._packet(above) is not aten.ge:
+            return None
+        t = _strip(below.args[0])
+        if _strip(above.args[0]) is not t or t.op != "placeholder":
+            return None
+        if _constant(self.gm, below.args[1]) != self.first_column or \
+                _constant(self.gm, above.args[1]) != self.first_column + self.width:
+            return None
+        return t
+
+    def _zero_where_mask(self, node):
+        """(value, target) if `node` sets `value` to 0 where the target is not this rank's, else None."""
+        p = recognize._packet(node)
+        if p is aten.index_put and len(node.args[1]) == 1 and _constant(self.gm, node.args[2]) == 0:
+            value, mask = node.args[0], node.args[1][0]
+        elif p is aten.masked_fill and _constant(self.gm, node.args[2]) == 0:
+            value, mask = node.args[0], node.args[1]
+        elif p is aten.where and _constant(self.gm, node.args[1]) == 0:
+            value, mask = node.args[2], node.args[0]
+        else:
+            return None
+        if len(node.args) > 3 and node.args[3]:  # index_put(accumulate=True) adds, it does not set
+            return None
+        t = self.ownership_mask(mask) if isinstance(mask, torch.fx.Node) else None
+        return None if t is None else (value, t)
+
+    def local_index(self, node):
+        """The target `t` if `node` is this rank's column of `t`, 0 where it does not own `t`."""
+        found = self._zero_where_mask(_strip(node))
+        if found is None:
+            return None
+        shifted, t = found
+        shifted = _strip(shifted)
+        if recognize._packet(shifted) is not aten.sub or _strip(shifted.args[0]) is not t or \
+                _constant(self.gm, shifted.args[1]) != self.first_column or len(shifted.args) > 2:
+            return None
+        return t
+
+
+def _all_reduce(ev: _ShardEvaluator, n):
+    tensor, op, group_name = n.args[:3]
+    ev.group_names.add(group_name)
+    f = ev(tensor)
+    if op == "sum" and isinstance(f, _Partial) and ev.replicated(f.form):
+        return f.form
+    return None  # a max (or an unsummed value): a row constant, the same on every rank
+
+
+def _wait(ev, n):
+    return ev(n.args[0])
+
+
+def _passes_shares(base):
+    """A view or cast: of a share, a share of the view (summing over ranks commutes with both)."""
+
+    def handler(ev, n):
+        f = ev(n.args[0])
+        if isinstance(f, (_Partial, _Owned)):
+            return f
+        return base(ev, n)
+
+    return handler
+
+
+def _local_sum(ev, n):
+    f = recognize._h_sum(ev, n)
+    return None if f is None else _Partial(f)
+
+
+def _index(ev, n):
+    """`x[arange(rows), local_index(t)]`: the target's logit where this rank owns it."""
+    src, indices = n.args[0], n.args[1]
+    shape = recognize._shape(src)
+    if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
+        return None
+    rows, columns = indices
+    if _arange(rows) != (0, shape[0], 1):
+        return None
+    return _owned_gather(ev, src, columns)
+
+
+def _arange(node):
+    """(start, end, step) of an `arange` node, else None."""
+    if recognize._packet(node) is not aten.arange:
+        return None
+    args = list(node.args)
+    if len(args) == 1:
+        args = [0] + args
+    start, end = args[:2]
+    step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+    return start, end, step
+
+
+def _gather(ev, n):
+    src, dim, idx = n.args[:3]
+    if not recognize._is_vocab_dim(src, dim):
+        return None
+    return _owned_gather(ev, src, idx)
+
+
+def _owned_gather(ev, src, idx):
+    t = ev.local_index(idx)
+    if t is None:
+        return None
+    g = ev.gathered(src, t)
+    return None if g is None else _Owned(g, t)
+
+
+def _zeroed(ev, n):
+    """The owned target logit with the other rows set to 0: this rank's share of the global one."""
+    found = ev._zero_where_mask(n)
+    if found is None:
+        return None
+    f = ev(found[0])
+    if isinstance(f, _Owned) and f.target is found[1]:
+        return _Partial(f.form)
+    return None
+
+
+def _not_understood(ev, n):
+    return None
+
+
+_SHARE_AWARE = _TRANSPARENT | {aten.index_put, aten.masked_fill, aten.where, _COLLECTIVES.all_reduce,
+                                _COLLECTIVES.wait_tensor}
+_SHARD_HANDLERS = {
+    **{p: _passes_shares(h) for p, h in recognize._HANDLERS.items() if p in _TRANSPARENT},
+    **{p: h for p, h in recognize._HANDLERS.items() if p not in _TRANSPARENT},
+    # On one slice these normalise, gather or reduce over the slice alone.
+    **{p: _not_understood for p in (aten.log_softmax, aten._log_softmax, aten.softmax, aten._softmax,
+                                    aten.logsumexp, aten.take_along_dim, aten.cross_entropy_loss,
+                                    aten.nll_loss_nd, aten.nll_loss)},
+    aten.sum: _local_sum,
+    aten.gather: _gather,
+    aten.index: _index,
+    aten.index_put: _zeroed,
+    aten.masked_fill: lambda ev, n: _zeroed(ev, n) or recognize._h_masked_fill(ev, n),
+    aten.where: lambda ev, n: _zeroed(ev, n) or recognize._h_where(ev, n),
+    _COLLECTIVES.all_reduce: _all_reduce,
+    _COLLECTIVES.wait_tensor: _wait,
+}
+_ShardEvaluator.handlers = _SHARD_HANDLERS
+
+
+def _temperature(key, logits) -> float | None:
+    """The temperature a logits key divides by (1.0 for the logits themselves), None if not one."""
+    t = 1.0
+    while isinstance(key, tuple) and key[:1] == ("scale",) and isinstance(key[3], float) and key[3] != 0.0:
+        t = t * key[3] if key[2] == "/" else t / key[3]
+        key = key[1]
+    return t if key is logits else None
+
+
+def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
+    """(kind, temperature, target node) of one output, or the reason it is not understood."""
+    val = recognize._val(node)
+    if isinstance(val, torch.Tensor) and val.numel() == 0 and isinstance(val.numel(), int) and \
+            ev.logits not in _ancestors(node):
+        return EMPTY, None, None
+    form = ev(node)
+    label: OutputLabel = recognize._classify(form)
+    if label.kind == recognize.ROWWISE:
+        return f"output {node.name} is not a log-prob or an entropy of the vocabulary-split logits"
+    atoms = [a for a in form if a[0] in ("lse", "gather")]
+    temperature = _temperature(atoms[0][1], ev.logits)
+    if temperature is None:
+        return f"output {node.name}: the logits are scaled or masked by more than a constant temperature"
+    targets = [a[2] for a in form if a[0] == "gather"]
+    return label.kind, temperature, targets[0] if targets else None
+
+
+def _ancestors(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> VocabParallelMatch | str:
+    """Match the functional ATen forward `gm` whose user-visible outputs are `outputs` (nodes).
+
+    `rank_and_size(group_name) -> (rank, size)` reads this process's place in a group (the forward
+    was traced on this rank: its first column is baked in as a constant). Returns the match, or the
+    reason (one line) it is not a vocab-parallel log-prob/entropy.
+    """
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    reduces = [n for n in gm.graph.nodes if recognize._packet(n) is _COLLECTIVES.all_reduce]
+    if not reduces:
+        return "no all-reduce: not vocab-parallel"
+    group_names = {n.args[2] for n in reduces}
+    if len(group_names) != 1:
+        return f"all-reduces over {len(group_names)} different groups"
+    (group_name,) = group_names
+    rank, size = rank_and_size(group_name)
+    wide = [p for p in placeholders if isinstance(recognize._val(p), torch.Tensor) and recognize._val(p).ndim >= 2
+            and recognize._val(p).is_floating_point()]
+    if len(wide) != 1:
+        return f"{len(wide)} floating-point inputs of 2 or more dims (expected the logits alone)"
+    (logits,) = wide
+    width = recognize._val(logits).shape[-1]
+    if not isinstance(width, int):
+        return "the vocabulary slice has a symbolic width"
+    ev = _ShardEvaluator(gm, logits, rank * width, width)
+    kinds, temperatures, targets = [], set(), set()
+    for node in outputs:
+        label = _label(ev, node)
+        if isinstance(label, str):
+            return label
+        kind, temperature, target = label
+        kinds.append(kind)
+        if kind != EMPTY:
+            temperatures.add(temperature)
+        if target is not None:
+            targets.add(target)
+    if not temperatures:
+        return "no output is a log-prob or an entropy"
+    if len(temperatures) != 1 or len(targets) > 1:
+        return "outputs at different temperatures or of different targets"
+    return VocabParallelMatch(
+        logits=placeholders.index(logits), target=placeholders.index(targets.pop()) if targets else None,
+        group_name=group_name, group_size=size, temperature=temperatures.pop(), outputs=tuple(kinds))
