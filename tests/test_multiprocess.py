@@ -1,4 +1,4 @@
-"""The multi-process harness (`_multiprocess`): results in rank order, a rank's exception re-raised
+"""The multi-process harness (`bench.ranks`): results in rank order, a rank's exception re-raised
 with its traceback, a hung rank killed at the deadline, and each rank's collectives logged."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _multiprocess import RankFailed, collective_log, collectives, run_ranks
+from bench.ranks import RankFailed, collective_log, collectives, run_ranks
 
 
 def _work(rank, world_size):

@@ -325,9 +325,8 @@ def _temperature(key, logits) -> float | None:
 def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     """(kind, temperature, target node) of one output, or the reason it is not understood."""
     val = recognize._val(node)
-    if isinstance(val, torch.Tensor) and val.numel() == 0 and isinstance(val.numel(), int) and \
-            ev.logits not in _ancestors(node):
-        return EMPTY, None, None
+    if isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() == 0:
+        return EMPTY, None, None  # no values, no gradient: what it was computed from does not matter
     form = ev(node)
     label: OutputLabel = recognize._classify(form)
     if label.kind == recognize.ROWWISE:
@@ -338,17 +337,6 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
         return f"output {node.name}: the logits are scaled or masked by more than a constant temperature"
     targets = [a[2] for a in form if a[0] == "gather"]
     return label.kind, temperature, targets[0] if targets else None
-
-
-def _ancestors(node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
 
 
 def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> VocabParallelMatch | str:

@@ -1,4 +1,4 @@
-"""Run a test function on N ranks of a gloo process group, each its own process, and get its results.
+"""Run a function on N ranks of a gloo process group, each its own process, and get its results (tests, `bench.tp`).
 
     results = run_ranks(check, world_size=2, args=(seed,), timeout_s=60)
 

@@ -1,0 +1,112 @@
+"""Tensor-parallel loss code as RL trainers write it, for `bench.tp` and the tests.
+
+* `megatron_logprob`: megatron-core's `tensor_parallel.vocab_parallel_cross_entropy`, negated.
+* `SlimeStyleLogProbEntropy`: an `autograd.Function` written the way slime's
+  `_VocabParallelLogProbEntropy` is (our own code, same structure): the rank's first column from
+  the group, a MAX all-reduce of the row max, SUM all-reduces of the sum of exp, the owned target's
+  logit and, for the entropy, of sum(softmax * x); the whole fp32 softmax saved; a hand-written
+  backward with no collective. `slime_style_logprob_entropy` calls it as slime's
+  `calculate_log_probs_and_entropy` does (optionally one Function per chunk of rows).
+* `ppo_loss`: the token-level PPO objective both feed (clipped ratio, entropy bonus).
+
+Every function takes this rank's `[T, V/tp]` logits and the global targets `[T]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def megatron_logprob(logits: torch.Tensor, target: torch.Tensor, group=None, temperature: float = 1.0):
+    """Log-probs by megatron-core's vocab-parallel cross-entropy (its group: `parallel_state`'s TP group)."""
+    from megatron.core import tensor_parallel
+
+    del group  # megatron-core reads the tensor-parallel group from parallel_state
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    # It writes into its input (the softmax, for its backward): hand it a tensor the caller does
+    # not read again. Under graphpass the write disappears with the Function.
+    return -tensor_parallel.vocab_parallel_cross_entropy(x, target)
+
+
+class SlimeStyleLogProbEntropy(torch.autograd.Function):
+    """(log-prob `[T, 1]`, entropy `[T]` or `[0]`) of vocab-parallel logits, in slime's style."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, with_entropy: bool, with_entropy_grad: bool):
+        logits = logits.float()
+        rows, width = logits.shape
+        first = dist.get_rank(group) * width
+        target_mask = (target < first) | (target >= first + width)
+        local_target = (target - first).clone()
+        local_target[target_mask] = 0
+        arange = torch.arange(rows, device=logits.device)
+
+        row_max = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        normalized = logits - row_max
+        predicted = normalized[arange, local_target]
+        exp = normalized.exp_()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        softmax = exp.div_(sum_exp)
+
+        if with_entropy:
+            mean_x = (softmax * logits).sum(dim=-1, keepdim=True)
+            dist.all_reduce(mean_x, op=dist.ReduceOp.SUM, group=group)
+            entropy = (row_max + sum_exp.log() - mean_x).squeeze(-1)
+        else:
+            mean_x = logits.new_empty((0,))
+            entropy = logits.new_zeros((0,))
+        predicted = predicted.masked_fill_(target_mask, 0.0).unsqueeze(-1)
+        dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
+        log_prob = predicted - sum_exp.log()
+
+        entropy_grad = with_entropy and with_entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
+        ctx.save_for_backward(softmax, target_mask, local_target, mean_x,
+                              logits if entropy_grad else logits.new_empty((0,)))
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        softmax, target_mask, local_target, mean_x, logits = ctx.saved_tensors
+        grad = None
+        if ctx.entropy_grad and grad_entropy is not None:
+            grad = (mean_x - logits) * softmax * grad_entropy[:, None]
+        lp = -softmax * grad_log_prob
+        arange = torch.arange(lp.shape[0], device=lp.device)
+        lp[arange, local_target] += (~target_mask).to(lp.dtype) * grad_log_prob[:, 0]
+        grad = lp if grad is None else grad + lp
+        return grad, None, None, None, None
+
+
+def slime_style_logprob_entropy(logits, target, group=None, *, with_entropy=False, with_entropy_grad=True,
+                                temperature: float = 1.0, chunk_size: int = -1):
+    """(log-prob `[T]`, entropy `[T]` or None), one Function call per `chunk_size` rows (all at once if -1)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    group = group if group is not None else dist.group.WORLD
+    if chunk_size > 0:
+        pieces = [SlimeStyleLogProbEntropy.apply(x, t, group, with_entropy, with_entropy_grad)
+                  for x, t in zip(logits.split(chunk_size), target.split(chunk_size))]
+        log_prob = torch.cat([p[0] for p in pieces])
+        entropy = torch.cat([p[1] for p in pieces]) if with_entropy else None
+    else:
+        log_prob, entropy = SlimeStyleLogProbEntropy.apply(logits, target, group, with_entropy, with_entropy_grad)
+        entropy = entropy if with_entropy else None
+    return log_prob.squeeze(-1), entropy
+
+
+def ppo_loss(log_prob, old_log_prob, advantages, entropy=None, *, clip: float = 0.2, entropy_coef: float = 0.01):
+    """Token-mean clipped PPO objective, minus an entropy bonus when `entropy` is given."""
+    ratio = (log_prob - old_log_prob).exp()
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
+    if entropy is not None:
+        loss = loss - entropy_coef * entropy.mean()
+    return loss
