@@ -36,7 +36,7 @@ class SlimeStyleLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, with_entropy: bool, with_entropy_grad: bool):
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
         rows, width = logits.shape
         first = dist.get_rank(group) * width
         target_mask = (target < first) | (target >= first + width)
@@ -88,7 +88,7 @@ class SlimeStyleLogProbEntropy(torch.autograd.Function):
 def slime_style_logprob_entropy(logits, target, group=None, *, with_entropy=False, with_entropy_grad=True,
                                 temperature: float = 1.0, chunk_size: int = -1):
     """(log-prob `[T]`, entropy `[T]` or None), one Function call per `chunk_size` rows (all at once if -1)."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
     group = group if group is not None else dist.group.WORLD

@@ -233,6 +233,14 @@ def _passes_shares(base):
     return handler
 
 
+def _select_unit(ev, n):
+    """`x[:, 0]` of a `[T, 1]` value: the same values, one dim fewer (a view)."""
+    shape = recognize._shape(n.args[0])
+    if shape is None or not recognize._same_size(shape[n.args[1]], 1):
+        return None
+    return ev(n.args[0])
+
+
 def _local_sum(ev, n):
     f = recognize._h_sum(ev, n)
     return None if f is None else _Partial(f)
@@ -292,7 +300,7 @@ def _not_understood(ev, n):
     return None
 
 
-_SHARE_AWARE = _TRANSPARENT | {aten.index_put, aten.masked_fill, aten.where, _COLLECTIVES.all_reduce,
+_SHARE_AWARE = _TRANSPARENT | {aten.select, aten.index_put, aten.masked_fill, aten.where, _COLLECTIVES.all_reduce,
                                 _COLLECTIVES.wait_tensor}
 _SHARD_HANDLERS = {
     **{p: _passes_shares(h) for p, h in recognize._HANDLERS.items() if p in _TRANSPARENT},
@@ -301,6 +309,7 @@ _SHARD_HANDLERS = {
     **{p: _not_understood for p in (aten.log_softmax, aten._log_softmax, aten.softmax, aten._softmax,
                                     aten.logsumexp, aten.take_along_dim, aten.cross_entropy_loss,
                                     aten.nll_loss_nd, aten.nll_loss)},
+    aten.select: _select_unit,
     aten.sum: _local_sum,
     aten.gather: _gather,
     aten.index: _index,
