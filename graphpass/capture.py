@@ -61,13 +61,16 @@ class Captured:
     hops: dict  # stub key -> _Hop
     mutated_inputs: list  # for each leading graph output, the user input position it updates
 
-    def restore(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    def restore(self, gm: torch.fx.GraphModule, *, for_analysis: bool = False) -> torch.fx.GraphModule:
         """`gm` (this capture after the passes) with its stubs back as higher-order ops and the
-        inputs' mutations applied in place."""
+        inputs' mutations applied in place.
+
+        A stub whose op writes into its inputs cannot go back into a graph that runs (raises
+        CantCapture), but can into one that is only analysed (`for_analysis`: the memory model)."""
         graph = gm.graph
         for node in list(graph.find_nodes(op="call_function", target=_opaque_op())):
             hop = self.hops[node.args[0]]
-            if hop.mutates_inputs:
+            if hop.mutates_inputs and not for_analysis:
                 raise CantCapture(hop.mutates_inputs)
             tensors = node.args[1]
             with graph.inserting_before(node):

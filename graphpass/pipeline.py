@@ -57,6 +57,10 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
     after.graph.eliminate_dead_code()
     after = captured.restore(after)
     record.graph_module, record.example_inputs = after, fakes
+    if captured.hops:
+        # Reports and the memory model read `before` as the user's program: its higher-order
+        # ops (a user autograd.Function, with its own backward) back in place of their stubs.
+        before = captured.restore(_copy(before), for_analysis=True)
     return RewriteResult(before, after, fakes, record)
 
 

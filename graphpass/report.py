@@ -35,6 +35,10 @@ class SiteReport:
     """"kept", "dropped", or "-" when the site computes no entropy."""
     bytes_saved: int
     temperature: str | None = None
+    tp_size: int = 1
+    """Ranks the vocabulary is split across (1: not vocab-parallel)."""
+    collectives: str = ""
+    """What one call communicates, e.g. "all_gather 2.5 KiB" (bytes this rank contributes)."""
 
 
 @dataclasses.dataclass
@@ -129,7 +133,8 @@ def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, m
         sites.append(SiteReport(
             source=site.source, kind=site.kind, shape=[str(s) if not isinstance(s, int) else s for s in site.shape],
             dtype=_dtype_name(site.dtype), chunk_size=_chunk_rows(site), chunk_auto=site.chunk_size is None,
-            entropy_grad=_entropy_grad(site), bytes_saved=int(nbytes), temperature=temps[0] if temps else None))
+            entropy_grad=_entropy_grad(site), bytes_saved=int(nbytes), temperature=temps[0] if temps else None,
+            tp_size=site.tp_size, collectives=", ".join(f"{c.op} {human_bytes(c.bytes)}" for c in site.collectives)))
     candidates = [CandidateReport(s.source, True, kind=s.kind) for s in record.sites]
     candidates += [CandidateReport(c.source, False, reason=c.reason) for c in record.rejected]
     before = estimate.before if estimate is not None else None
@@ -174,22 +179,29 @@ def _chunk_text(site: SiteReport) -> str:
 def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
     """Headers and rows of a graph's table (the last row is the total)."""
     measured = graph.measured_before is not None or graph.measured_after is not None
-    headers = ["site", "computes", "logits", "chunk", "entropy grad", "est. before", "est. after",
-               "est. saved", "saved %"]
+    # Vocab-parallel columns only where a site is vocab-parallel (the logits shape is the slice).
+    parallel = any(s.tp_size > 1 for s in graph.sites)
+    headers = ["site", "computes", "logits", "chunk", "entropy grad"]
+    if parallel:
+        headers += ["tp", "collectives per call"]
+    headers += ["est. before", "est. after", "est. saved", "saved %"]
     if measured:
         headers += ["meas. before", "meas. after", "meas. saved"]
     rows = []
     single = len(graph.sites) == 1
     for s in graph.sites:
         # Before/after are whole-graph peaks: only a graph's single site owns them.
-        row = [s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad,
-               human_bytes(graph.peak_before) if single else "", human_bytes(graph.peak_after) if single else "",
-               human_bytes(s.bytes_saved), _pct(s.bytes_saved, graph.peak_before)]
+        row = [s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad]
+        if parallel:
+            row += [str(s.tp_size), s.collectives or "none"]
+        row += [human_bytes(graph.peak_before) if single else "", human_bytes(graph.peak_after) if single else "",
+                human_bytes(s.bytes_saved), _pct(s.bytes_saved, graph.peak_before)]
         if measured:
             row += ["", "", ""]
         rows.append(row)
     total = [f"total (graph {graph.index}, {len(graph.sites)} site{'s' if len(graph.sites) != 1 else ''})",
-             "", "", "", "", human_bytes(graph.peak_before), human_bytes(graph.peak_after),
+             "", "", "", ""] + (["", ""] if parallel else []) + [
+             human_bytes(graph.peak_before), human_bytes(graph.peak_after),
              human_bytes(graph.bytes_saved), _pct(graph.bytes_saved, graph.peak_before)]
     if measured:
         saved = (graph.measured_before - graph.measured_after

@@ -10,7 +10,7 @@ import torch
 
 from graphpass import report
 from graphpass.memory import MemoryEstimate, PeakEstimate
-from graphpass.records import Candidate, GraphRecord, OutputRecord, SiteRecord
+from graphpass.records import Candidate, CollectiveRecord, GraphRecord, OutputRecord, SiteRecord
 
 MiB = 2**20
 
@@ -41,6 +41,19 @@ def test_site_row_has_everything():
     assert g.sites[0].bytes_saved > 0
     assert g.sites[0].entropy_grad == "dropped"
     assert g.bytes_saved == 2260 * MiB
+
+
+def test_vocab_parallel_sites_show_the_group_size_and_what_each_call_communicates():
+    tp = SiteRecord(kind="-logprob", source="cross_entropy.py:232", shape=(4096, 16384), dtype=torch.float32,
+                    chunk_size=None, outputs=[OutputRecord("-logprob", True)], tp_size=2, group="12",
+                    collectives=[CollectiveRecord("all_gather", 2, 4096 * 5 * 4)])
+    record = GraphRecord(index=0, sites=[tp, site()])
+    est = MemoryEstimate(before=peak(900 * MiB), after=peak(300 * MiB), site_bytes_saved=[300 * MiB, 300 * MiB])
+    headers, rows = report.table_rows(report.build_graph_report(record, est))
+    assert headers[5:7] == ["tp", "collectives per call"]
+    assert rows[0][5:7] == ["2", "all_gather 80.0 KiB"] and rows[1][5:7] == ["1", "none"]
+    assert len(rows[-1]) == len(headers)
+    assert "tp" not in report.table_rows(one_site_graph())[0]  # no column where nothing is vocab-parallel
 
 
 def test_candidates_say_why_not():
