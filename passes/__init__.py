@@ -13,8 +13,8 @@ from typing import Callable
 
 #: Every pass, in the order the pipeline runs them. A new pass is a module here plus a name here.
 PASS_NAMES = (
-    "replace_vocab_parallel_functions_pass",  # Megatron/slime-style TP Functions -> the vocab-parallel op
     "sink_row_slices_pass",  # slice(f(x)) -> f(slice(x)) for elementwise f: regions reach the logits
+    "replace_vocab_parallel_functions_pass",  # Megatron/slime-style TP Functions -> the vocab-parallel op
     "fold_row_loops_pass",  # stack/cat/buffer of f(x[i]) over a loop's rows -> f(x): one region
     "tag_grad_flow_pass",  # node.meta: can a gradient from the outputs reach this node?
     "chunk_rowwise_regions_pass",  # each row-local region -> one graphpass::rowwise_chunked op
