@@ -15,6 +15,7 @@ stays as it was; a Function with collectives that does not match is recorded wit
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -22,7 +23,8 @@ import torch.fx
 
 from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
-from graphpass.analysis.vocab_parallel import EMPTY, VocabParallelMatch, match_forward
+from graphpass.analysis.grad_flow import requires_grad
+from graphpass.analysis.vocab_parallel import EMPTY, NOT_PARALLEL, VocabParallelMatch, match_forward, match_graph
 from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.records import Candidate, CollectiveRecord, OutputRecord, SiteRecord
@@ -34,27 +36,29 @@ __all__ = ["replace_vocab_parallel_functions_pass"]
 
 def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inputs, *, config,
                                           record) -> torch.fx.GraphModule:
-    """Each vocab-parallel log-prob/entropy Function -> one `vocab_parallel_logprob_entropy` call."""
+    """Each vocab-parallel log-prob/entropy Function -> one `vocab_parallel_logprob_entropy` call;
+    so too the same math inlined in the graph, where no gradient flows through it."""
     for stub in list(gm.graph.find_nodes(op="call_function", target=torch.ops.graphpass.opaque.default)):
         hop = hop_of(stub)
         if hop.target is not _torch_api.autograd_function_apply():
             continue
-        match = _match(hop, stub)
+        match = _match_function(hop, stub)
         if isinstance(match, str):
-            if match != _NOT_PARALLEL:
+            if match != NOT_PARALLEL:
                 record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {match}"))
             continue
-        site = _replace(gm.graph, stub, hop, match, config)
-        record.sites.append(site)
-        record.collectives.extend(site.collectives)
+        _add_site(record, _replace_function(gm.graph, stub, hop, match, config))
+    _replace_inlined(gm, example_inputs, config, record)
     gm.graph.eliminate_dead_code()
     return gm
 
 
-_NOT_PARALLEL = "no all-reduce: not vocab-parallel"
+def _add_site(record, site: SiteRecord) -> None:
+    record.sites.append(site)
+    record.collectives.extend(site.collectives)
 
 
-def _match(hop, stub) -> VocabParallelMatch | str:
+def _match_function(hop, stub) -> VocabParallelMatch | str:
     forward = hop.bodies[0]
     tensors = stub.args[1]
     n_outputs = len(forward.graph.output_node().args[0][0])  # Dynamo's forward: ((outputs), (saved))
@@ -63,7 +67,59 @@ def _match(hop, stub) -> VocabParallelMatch | str:
     except CantCapture as e:
         return f"its forward cannot be captured: {e}"
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
-    return match_forward(captured.gm, outputs, _rank_and_size)
+    match = match_forward(captured.gm, outputs, _rank_and_size)
+    if isinstance(match, str):
+        return match
+    # The forward's inputs are the stub's tensors, in order.
+    placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
+    return dataclasses.replace(
+        match, logits=tensors[placeholders.index(match.logits)],
+        target=None if match.target is None else tensors[placeholders.index(match.target)])
+
+
+def _replace_inlined(gm, example_inputs, config, record) -> None:
+    """The vocab-parallel math of a Function Dynamo inlined (it does so when no input requires
+    grad), or written with functional all-reduces, where no gradient flows through it: the same
+    one collective as where the Function is replaced, whatever the grad mode of each rank.
+
+    Where a gradient does flow, a functional all-reduce's backward sums over the ranks, which the
+    op does not: that code stays as it is. So does code whose all-reduced values are read by
+    anything else (its collectives would still run beside the op's)."""
+    match = match_graph(gm, _rank_and_size)
+    if isinstance(match, str):
+        if match != NOT_PARALLEL:
+            record.rejected.append(Candidate("graph", f"vocab-parallel code kept: {match}"))
+        return
+    source = source_of(match.nodes[0])
+    requires = requires_grad(gm, example_inputs)
+    if any(requires[n] for n in match.nodes):
+        record.rejected.append(Candidate(source, "vocab-parallel code kept: a gradient flows through its "
+                                                 "all-reduces (their backward sums over ranks)"))
+        return
+    dead = _dead_after_replacing(gm.graph, match.nodes)
+    collectives = [n for n in gm.graph.nodes if n.target in _COLLECTIVE_OPS]
+    if any(n not in dead for n in collectives):
+        record.rejected.append(Candidate(source, "vocab-parallel code kept: its all-reduced values are read "
+                                                 "by other code"))
+        return
+    no_gradient = set(range(len(match.nodes)))
+    _add_site(record, _replace_outputs(gm.graph, match, list(match.nodes), no_gradient, config, like=match.nodes[0]))
+    # Erased here, not left to dead-code elimination, which keeps collectives (they look impure).
+    for node in reversed(list(gm.graph.nodes)):
+        if node in dead and not node.users:
+            gm.graph.erase_node(node)
+
+
+_COLLECTIVE_OPS = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default}
+
+
+def _dead_after_replacing(graph, outputs) -> set:
+    """The nodes nothing reads once every use of `outputs` reads a replacement instead."""
+    dead = set(outputs)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.users and all(u in dead for u in node.users):
+            dead.add(node)
+    return dead
 
 
 def _rank_and_size(group_name: str) -> tuple[int, int]:
@@ -71,11 +127,23 @@ def _rank_and_size(group_name: str) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
-def _replace(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config) -> SiteRecord:
-    tensors = stub.args[1]
-    logits, temperature = _absorb_scaling(tensors[match.logits], match.temperature)
+def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config) -> SiteRecord:
+    users = list(stub.users)
+    if any(user.target is not operator.getitem for user in users):
+        raise CantCapture("a vocab-parallel Function's result is used whole, not item by item")
+    site = _replace_outputs(graph, match, [(u, u.args[1]) for u in users],
+                            set(hop.kwargs.get("non_differentiable_idx", ())), config, like=stub)
+    graph.erase_node(stub)
+    return site
+
+
+def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced, non_differentiable: set, config,
+                     like) -> SiteRecord:
+    """One op call before `like`; each of `replaced` (a node, or (node, index into match.outputs))
+    reads it instead. `non_differentiable`: the output indices that carry no gradient."""
+    replaced = [r if isinstance(r, tuple) else (r, i) for i, r in enumerate(replaced)]
+    logits, temperature = _absorb_scaling(match.logits, match.temperature)
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
-    non_differentiable = set(hop.kwargs.get("non_differentiable_idx", ()))
     with_entropy = any(k.endswith("entropy") for k in match.outputs)
     entropy_grad = with_entropy and not any(
         k.endswith("entropy") and i in non_differentiable for i, k in enumerate(match.outputs))
@@ -90,22 +158,20 @@ def _replace(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config
             new.meta["val"] = target(*vals[0], **vals[1])
         return new
 
-    with graph.inserting_before(stub):
+    with graph.inserting_before(like):
         rows = logits.meta["val"].shape[:-1]
         if match.target is None:  # entropy only: targets that every rank agrees on, all ignored
             target = node(aten.zeros.default, list(rows), dtype=torch.long, device=logits.meta["val"].device)
             ignore_index = 0
         else:
-            target = node(aten.reshape.default, tensors[match.target], list(rows))
+            target = node(aten.reshape.default, match.target, list(rows))
             ignore_index = None
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
-                  match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk, like=stub)
+                  match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk, like=like)
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
     outputs = []
-    for user in list(stub.users):
-        if user.target is not operator.getitem:
-            raise CantCapture("a vocab-parallel Function's result is used whole, not item by item")
-        kind, want = match.outputs[user.args[1]], user.meta["val"]
+    for user, index in replaced:
+        kind, want = match.outputs[index], user.meta["val"]
         with graph.inserting_before(user):
             if kind == EMPTY:
                 new = node(aten.empty.memory_format, list(want.shape), dtype=want.dtype, device=want.device)
@@ -116,12 +182,11 @@ def _replace(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config
                 new = node(aten.reshape.default, new, list(want.shape))
                 if new.meta["val"].dtype != want.dtype:
                     new = node(aten._to_copy.default, new, dtype=want.dtype)
-                if user.args[1] in non_differentiable:
+                if index in non_differentiable:
                     new = node(aten.detach.default, new)
         new.meta.update({k: v for k, v in user.meta.items() if k != "val"})
         user.replace_all_uses_with(new)
         graph.erase_node(user)
-    graph.erase_node(stub)
     for i, kind in enumerate(match.outputs):
         if kind != EMPTY:
             outputs.append(OutputRecord(kind, i not in non_differentiable and (entropy_grad or "logprob" in kind),

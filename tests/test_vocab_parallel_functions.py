@@ -82,10 +82,28 @@ class _Flawed(torch.autograd.Function):
 FLAWS = ("rank-local shift", "wrong first column", "local entropy", "unmasked target")
 
 
+def _funcol_logprob(logits, target, group):
+    """slime's log-prob math written with differentiable functional all-reduces: their backward
+    sums the gradient over the ranks, so each rank's loss counts on every rank."""
+    import torch.distributed._functional_collectives as funcol
+
+    rows, width = logits.shape
+    first = dist.get_rank(group) * width
+    mask = (target < first) | (target >= first + width)
+    local = torch.where(mask, 0, target - first)
+    row_max = funcol.all_reduce(logits.detach().amax(-1, keepdim=True), "max", group)
+    shifted = logits - row_max
+    sum_exp = funcol.all_reduce(shifted.exp().sum(-1, keepdim=True), "sum", group)
+    predicted = funcol.all_reduce(shifted.gather(1, local[:, None]).masked_fill(mask[:, None], 0.0), "sum", group)
+    return (predicted - sum_exp.log())[:, 0]
+
+
 # ---- the cases -----------------------------------------------------------------------------------
 def _logprob_entropy(code, logits, target, **kw):
     if code == "megatron":
         return megatron_logprob(logits, target, temperature=kw.get("temperature", 1.0)), None
+    if code == "funcol":
+        return _funcol_logprob(logits, target, dist.group.WORLD), None
     if code in FLAWS or code == "none":
         return _Flawed.apply(logits, target, dist.group.WORLD, code), None
     return slime_style_logprob_entropy(logits, target, **kw)
@@ -108,6 +126,7 @@ CASES = [
     ("slime", {"with_entropy": True, "chunk_size": 10}, torch.float32),
     ("slime", {"with_entropy": True}, torch.bfloat16),
     *[(flaw, {}, torch.float64) for flaw in ("none",) + FLAWS],
+    ("funcol", {}, torch.float64),
 ]
 FOUR_RANK_CASES = [CASES[0], CASES[4], CASES[7]]
 
@@ -186,7 +205,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
     cases, per_rank = _spawned(world)
     for index, case in enumerate(cases):
         code, kw, dtype = case
-        if code in FLAWS:
+        if code in FLAWS or code == "funcol":
             continue
         calls = -(-T // kw["chunk_size"]) if "chunk_size" in kw else 1
         for rank, results in enumerate(per_rank):
@@ -212,7 +231,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
 def test_one_all_gather_per_call_none_in_backward_same_on_every_rank(world):
     cases, per_rank = _spawned(world)
     for index, case in enumerate(cases):
-        if case[0] in FLAWS:
+        if case[0] in FLAWS or case[0] == "funcol":
             continue
         logs = [(results[index]["forward_log"], results[index]["backward_log"]) for results in per_rank]
         forward, backward = logs[0]
@@ -231,3 +250,42 @@ def test_a_function_with_different_math_stays_as_it_is(flaw):
         assert any("vocab-parallel Function kept" in reason for reason in r["rejected"]), (flaw, rank, r["rejected"])
         assert r["value_vs_eager"] == 0.0 and r["grad_vs_eager"] <= 1e-12, (flaw, rank, r)
 
+
+
+def test_functional_all_reduce_code_that_carries_a_gradient_stays_as_it_is():
+    cases, per_rank = _spawned(2)
+    index = [c[0] for c in cases].index("funcol")
+    for rank, results in enumerate(per_rank):
+        r = results[index]
+        assert r["sites"] == [] and r["fallback"] is None, (rank, r)
+        assert any("a gradient flows through its all-reduces" in reason for reason in r["rejected"]), r["rejected"]
+        assert r["value_vs_eager"] <= 1e-12 and r["grad_vs_eager"] <= 1e-12, (rank, r)
+
+
+# ---- ranks that differ -----------------------------------------------------------------------------
+def _differing_ranks(rank, world):
+    """Rank 0 trains; rank 1 runs under no_grad on logits that do not require grad; rank 2 under
+    no_grad on logits that do; rank 3 requires grad but never calls backward. Only rank 0 owns targets."""
+    width = WIDTH[world]
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(T, world * width, generator=g)
+    target = torch.randint(0, width, (T,), generator=g)  # all in rank 0's slice
+    backend = graphpass.Backend(inner="aot_eager")
+    compiled = torch.compile(functools.partial(_logprob_entropy, "slime", with_entropy=True), backend=backend)
+    logits = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(rank != 1)
+    with collectives() as log:
+        with torch.set_grad_enabled(rank not in (1, 2)):
+            logprob, entropy = compiled(logits, target)
+        if rank == 0:
+            (logprob.sum() + entropy.sum()).backward()
+    reference, _ = _reference(full.double(), target, 1.0)
+    return log, _err(logprob, reference), [s.tp_size for r in backend.records for s in r.sites]
+
+
+def test_ranks_differing_in_grad_mode_and_ownership_issue_the_same_collectives():
+    pytest.importorskip("megatron.core")  # the same environment as the cases above
+    per_rank = run_ranks(_differing_ranks, 4, timeout_s=240)
+    logs = [log for log, _, _ in per_rank]
+    assert all(log == logs[0] for log in logs) and len(logs[0]) == 1, logs
+    for log, err, sites in per_rank:
+        assert err < 1e-5 and sites == [4], (err, sites)

@@ -233,6 +233,9 @@ def _finish(grower: _Grower, order, regions) -> str | None:
     place = _place(nodes, grower.modes)
     if any(order[a] > order[place] for a in inputs):
         return "it reads a value computed after its last grad-mode op"
+    if _reads_its_own_outputs(inside, outputs, inputs):
+        # One op cannot both produce a value and read what is computed from it.
+        return "it reads a value computed from its own outputs (e.g. an all-reduce of a row sum)"
     why = _grad_mode_conflict(nodes, outputs, place, grower.modes)
     if why is not None:
         return why
@@ -241,6 +244,20 @@ def _finish(grower: _Grower, order, regions) -> str | None:
     grower.claimed.update(nodes)
     regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs, place))
     return None
+
+
+def _reads_its_own_outputs(inside, outputs, inputs) -> bool:
+    """Whether an input of the region is computed, outside it, from one of its outputs."""
+    inputs, seen, todo = set(inputs), set(), list(outputs)
+    while todo:
+        for user in todo.pop().users:
+            if user in inside or user in seen or user.op == "output":
+                continue
+            if user in inputs:
+                return True
+            seen.add(user)
+            todo.append(user)
+    return False
 
 
 def _place(nodes, modes) -> torch.fx.Node:

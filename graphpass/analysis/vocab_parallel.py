@@ -34,6 +34,7 @@ from graphpass.analysis.recognize import PW, Exp, OutputLabel
 
 aten = torch.ops.aten
 
+NOT_PARALLEL = "no all-reduce: not vocab-parallel"
 #: What an output of a matched forward is, besides the four labels: an empty tensor (slime returns
 #: `new_zeros((0,))` for an entropy it was not asked for).
 EMPTY = "empty"
@@ -43,10 +44,10 @@ EMPTY = "empty"
 class VocabParallelMatch:
     """A forward that computes vocab-parallel log-probs and/or entropies."""
 
-    logits: int
-    """Position of the local logits `[..., V/tp]` among the forward's inputs."""
-    target: int | None
-    """Position of the global token ids; None when no output is a log-prob."""
+    logits: torch.fx.Node
+    """This rank's logits `[..., V/tp]`."""
+    target: torch.fx.Node | None
+    """The global token ids; None when no output is a log-prob."""
     group_name: str
     """The tensor-parallel group its all-reduces use."""
     group_size: int
@@ -55,6 +56,8 @@ class VocabParallelMatch:
     """The logits are divided by it inside the forward (1.0: unscaled)."""
     outputs: tuple[str, ...]
     """Per output: "logprob", "-logprob", "entropy", "-entropy" or "empty"."""
+    nodes: tuple = ()
+    """The output nodes, in the order of `outputs`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,27 +351,25 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     return label.kind, temperature, targets[0] if targets else None
 
 
-def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> VocabParallelMatch | str:
-    """Match the functional ATen forward `gm` whose user-visible outputs are `outputs` (nodes).
-
-    `rank_and_size(group_name) -> (rank, size)` reads this process's place in a group (the forward
-    was traced on this rank: its first column is baked in as a constant). Returns the match, or the
-    reason (one line) it is not a vocab-parallel log-prob/entropy.
-    """
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+def _group(gm) -> tuple[str, list] | str:
+    """(the one group the graph's all-reduces use, its SUM all-reduces), or why not one."""
     reduces = [n for n in gm.graph.nodes if recognize._packet(n) is _COLLECTIVES.all_reduce]
     if not reduces:
-        return "no all-reduce: not vocab-parallel"
+        return NOT_PARALLEL
     group_names = {n.args[2] for n in reduces}
     if len(group_names) != 1:
         return f"all-reduces over {len(group_names)} different groups"
-    (group_name,) = group_names
+    return group_names.pop(), [n for n in reduces if n.args[1] == "sum"]
+
+
+def _is_wide(node) -> bool:
+    val = recognize._val(node)
+    return isinstance(val, torch.Tensor) and val.ndim >= 2 and val.is_floating_point()
+
+
+def _match(gm, logits, outputs, group_name, rank_and_size) -> VocabParallelMatch | str:
+    """Label `outputs` as vocab-parallel functions of the `[..., V/tp]` node `logits`."""
     rank, size = rank_and_size(group_name)
-    wide = [p for p in placeholders if isinstance(recognize._val(p), torch.Tensor) and recognize._val(p).ndim >= 2
-            and recognize._val(p).is_floating_point()]
-    if len(wide) != 1:
-        return f"{len(wide)} floating-point inputs of 2 or more dims (expected the logits alone)"
-    (logits,) = wide
     width = recognize._val(logits).shape[-1]
     if not isinstance(width, int):
         return "the vocabulary slice has a symbolic width"
@@ -388,6 +389,82 @@ def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> Voc
         return "no output is a log-prob or an entropy"
     if len(temperatures) != 1 or len(targets) > 1:
         return "outputs at different temperatures or of different targets"
-    return VocabParallelMatch(
-        logits=placeholders.index(logits), target=placeholders.index(targets.pop()) if targets else None,
-        group_name=group_name, group_size=size, temperature=temperatures.pop(), outputs=tuple(kinds))
+    return VocabParallelMatch(logits=logits, target=targets.pop() if targets else None, group_name=group_name,
+                              group_size=size, temperature=temperatures.pop(), outputs=tuple(kinds),
+                              nodes=tuple(outputs))
+
+
+def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> VocabParallelMatch | str:
+    """Match an autograd.Function's functional ATen forward `gm` whose user-visible outputs are
+    `outputs`: each must be a log-prob, an entropy (or a negation) or empty.
+
+    `rank_and_size(group_name) -> (rank, size)` reads this process's place in a group (the forward
+    was traced on this rank: its first column is baked in as a constant). Returns the match, or the
+    reason (one line) it is not a vocab-parallel log-prob/entropy.
+    """
+    group = _group(gm)
+    if isinstance(group, str):
+        return group
+    wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
+    if len(wide) != 1:
+        return f"{len(wide)} floating-point inputs of 2 or more dims (expected the logits alone)"
+    return _match(gm, wide[0], outputs, group[0], rank_and_size)
+
+
+def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch | str:
+    """Vocab-parallel log-probs/entropies computed in `gm` itself, with functional all-reduces: a
+    Function Dynamo inlined (it does when no input requires grad) or code written that way.
+
+    The outputs are every node whose value is a log-prob or an entropy of one wide node (tried
+    in graph order among the ancestors of the SUM all-reduces), or the reason there are none.
+    """
+    group = _group(gm)
+    if isinstance(group, str):
+        return group
+    group_name, sums = group
+    if not sums:
+        return "no SUM all-reduce"
+    below, above = _descendants(sums), _ancestors(sums)
+    rank, _ = rank_and_size(group_name)
+    reason = "no log-prob or entropy of one vocabulary slice"
+    for logits in [n for n in gm.graph.nodes if n in above and _is_wide(n)]:
+        width = recognize._val(logits).shape[-1]
+        if not isinstance(width, int):
+            continue
+        ev = _ShardEvaluator(gm, logits, rank * width, width)
+        outputs = [n for n in gm.graph.nodes if n in below and not _is_wide(n) and _labelled(ev, n)]
+        if outputs:
+            match = _match(gm, logits, outputs, group_name, rank_and_size)
+            if not isinstance(match, str):
+                return match
+            reason = match
+    return reason
+
+
+def _labelled(ev, node) -> bool:
+    if not isinstance(recognize._val(node), torch.Tensor):
+        return False
+    try:
+        return recognize._classify(ev(node)).kind != recognize.ROWWISE
+    except Exception:  # noqa: BLE001 - a node the evaluator cannot read is simply not labelled
+        return False
+
+
+def _ancestors(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def _descendants(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
