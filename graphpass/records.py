@@ -67,7 +67,7 @@ class SiteRecord:
     group: str | None = None
     """The tensor-parallel process group's name, None when `tp_size == 1`."""
     collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
-    """The collectives one call issues (none in backward)."""
+    """The collectives one call issues, forward and backward."""
 
     @property
     def grads_kept(self) -> list[bool]:

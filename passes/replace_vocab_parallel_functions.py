@@ -24,7 +24,8 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import requires_grad
-from graphpass.analysis.vocab_parallel import EMPTY, NOT_PARALLEL, VocabParallelMatch, match_forward, match_graph
+from graphpass.analysis.vocab_parallel import (EMPTY, NOT_PARALLEL, VocabParallelMatch, match_forward, match_graph,
+                                                values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.records import Candidate, CollectiveRecord, OutputRecord, SiteRecord
@@ -82,9 +83,10 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
     grad), or written with functional all-reduces, where no gradient flows through it: the same
     one collective as where the Function is replaced, whatever the grad mode of each rank.
 
-    Where a gradient does flow, a functional all-reduce's backward sums over the ranks, which the
-    op does not: that code stays as it is. So does code whose all-reduced values are read by
-    anything else (its collectives would still run beside the op's)."""
+    Where a gradient flows, a functional all-reduce's backward sums it over the ranks: the op's
+    outputs then do too (`sum_grads_over_group`). Code with a detached statistic (its gradient is
+    not that of its values) stays as it is; so does code whose all-reduced values anything else
+    reads (its collectives would still run beside the op's)."""
     match = match_graph(gm, _rank_and_size)
     if isinstance(match, str):
         if match != NOT_PARALLEL:
@@ -92,9 +94,10 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
         return
     source = source_of(match.nodes[0])
     requires = requires_grad(gm, example_inputs)
-    if any(requires[n] for n in match.nodes):
-        record.rejected.append(Candidate(source, "vocab-parallel code kept: a gradient flows through its "
-                                                 "all-reduces (their backward sums over ranks)"))
+    with_gradient = any(requires[n] for n in match.nodes)
+    if with_gradient and values_without_gradient(gm, match, requires, _rank_and_size):
+        record.rejected.append(Candidate(source, "vocab-parallel code kept: part of its statistics is detached, "
+                                                 "so its gradient is not that of its values"))
         return
     dead = _dead_after_replacing(gm.graph, match.nodes)
     collectives = [n for n in gm.graph.nodes if n.target in _COLLECTIVE_OPS]
@@ -102,8 +105,10 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
         record.rejected.append(Candidate(source, "vocab-parallel code kept: its all-reduced values are read "
                                                  "by other code"))
         return
-    no_gradient = set(range(len(match.nodes)))
-    _add_site(record, _replace_outputs(gm.graph, match, list(match.nodes), no_gradient, config, like=match.nodes[0]))
+    no_gradient = {i for i, n in enumerate(match.nodes) if not requires[n]}
+    # Where a gradient flows, the code's all-reduces sum it over the ranks in backward: so does the op's stand-in.
+    _add_site(record, _replace_outputs(gm.graph, match, list(match.nodes), no_gradient, config,
+                                       like=match.nodes[0], sum_grads=with_gradient))
     # Erased here, not left to dead-code elimination, which keeps collectives (they look impure).
     for node in reversed(list(gm.graph.nodes)):
         if node in dead and not node.users:
@@ -138,9 +143,10 @@ def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatc
 
 
 def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced, non_differentiable: set, config,
-                     like) -> SiteRecord:
+                     like, sum_grads: bool = False) -> SiteRecord:
     """One op call before `like`; each of `replaced` (a node, or (node, index into match.outputs))
-    reads it instead. `non_differentiable`: the output indices that carry no gradient."""
+    reads it instead. `non_differentiable`: the output indices that carry no gradient. `sum_grads`:
+    the outputs' gradients are summed over the group in backward (one all-reduce)."""
     replaced = [r if isinstance(r, tuple) else (r, i) for i, r in enumerate(replaced)]
     logits, temperature = _absorb_scaling(match.logits, match.temperature)
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
@@ -169,6 +175,8 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
                   match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk, like=like)
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
+        if sum_grads:
+            results = _summing_grads(node, results, with_entropy, match.group_name)
     outputs = []
     for user, index in replaced:
         kind, want = match.outputs[index], user.meta["val"]
@@ -197,7 +205,19 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
         kind="+".join(o.kind for o in outputs), source=source_of(op), shape=tuple(wide.shape), dtype=wide.dtype,
         chunk_size=config.chunk_size, outputs=outputs, tp_size=match.group_size, group=match.group_name,
         collectives=[CollectiveRecord("all_gather", match.group_size,
-                                      collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))])
+                                      collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))]
+        + ([CollectiveRecord("all_reduce in backward", match.group_size,
+                             rows_hint * (2 if with_entropy else 1) * results["logprob"].meta["val"].dtype.itemsize)]
+           if sum_grads else []))
+
+
+def _summing_grads(node, results: dict, with_entropy: bool, group_name: str) -> dict:
+    """`results` behind one `sum_grads_over_group`: one all-reduce in backward for both outputs."""
+    summed = torch.ops.graphpass.sum_grads_over_group.default
+    if not with_entropy:
+        return {"logprob": node(summed, results["logprob"], group_name), "entropy": results["entropy"]}
+    both = node(summed, node(aten.stack.default, [results["logprob"], results["entropy"]]), group_name)
+    return {"logprob": node(aten.select.int, both, 0, 0), "entropy": node(aten.select.int, both, 0, 1)}
 
 
 def _absorb_scaling(logits: torch.fx.Node, temperature: float):

@@ -432,13 +432,37 @@ def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch |
         if not isinstance(width, int):
             continue
         ev = _ShardEvaluator(gm, logits, rank * width, width)
-        outputs = [n for n in gm.graph.nodes if n in below and not _is_wide(n) and _labelled(ev, n)]
+        labelled = {n for n in gm.graph.nodes if n in below and not _is_wide(n) and _labelled(ev, n)}
+        # The last of them: those read by something else (a log-prob's squeeze is the log-prob).
+        outputs = [n for n in gm.graph.nodes if n in labelled and any(u not in labelled for u in n.users)]
         if outputs:
             match = _match(gm, logits, outputs, group_name, rank_and_size)
             if not isinstance(match, str):
                 return match
             reason = match
     return reason
+
+
+def values_without_gradient(gm: torch.fx.GraphModule, match: VocabParallelMatch, requires: dict,
+                            rank_and_size) -> list:
+    """The nodes on the way from the logits to `match`'s outputs that hold a statistic of the whole
+    vocabulary (a log-sum-exp, the target's logit, E[x], or a rank's share of one) but carry no
+    gradient (detached, or computed under no_grad): where there are any, the code's gradient is not
+    the gradient of its values, and the op cannot stand in for it."""
+    rank, _ = rank_and_size(match.group_name)
+    width = recognize._val(match.logits).shape[-1]
+    ev = _ShardEvaluator(gm, match.logits, rank * width, width)
+    between = _ancestors(match.nodes) | set(match.nodes)
+    between &= _descendants([match.logits])
+    return [n for n in gm.graph.nodes if n in between and _has_statistic(ev(n)) and not requires.get(n, False)]
+
+
+def _has_statistic(form) -> bool:
+    if isinstance(form, (_Partial, _Owned)):
+        return _has_statistic(form.form)
+    if isinstance(form, (PW, Exp)):
+        return isinstance(form, PW) or _has_statistic(form.lin)
+    return isinstance(form, dict) and any(atom[0] in ("lse", "gather", "sumpx") for atom in form)
 
 
 def _labelled(ev, node) -> bool:
