@@ -173,7 +173,8 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
             target = node(aten.reshape.default, match.target, list(rows))
             ignore_index = None
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
-                  match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk, like=like)
+                  match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk,
+                  "inductor" if config.inner == "inductor" else "eager", like=like)
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
         if sum_grads:
             results = _summing_grads(node, results, with_entropy, match.group_name)

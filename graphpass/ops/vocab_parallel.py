@@ -28,9 +28,11 @@ import torch.distributed
 
 from graphpass import _torch_api
 
-# Rows per chunk when the caller does not choose: about this many bytes for one fp32
-# `[chunk, V/tp]` temporary (the forward holds about three at once, the backward four).
+# Rows per chunk when the caller does not choose: one fp32 `[chunk, V/tp]` temporary takes about
+# this many bytes, and at most this fraction of the floor (the logits' gradient), so that the
+# four or five the backward holds at once stay within a few percent of it.
 _CHUNK_BUDGET_BYTES = 16 * 2**20
+_CHUNK_FLOOR_FRACTION = 1 / 96
 
 # Columns of the per-row statistics each rank contributes to the one collective.
 _M, _S = 0, 1  # the log-prob distribution (masked by keep_mask): max m, sum exp(x - m)
@@ -106,10 +108,11 @@ def _chunks(logits, chunk_size: int):
             yield slice(offset + start, offset + stop), block[start:stop]
 
 
-def _rows_per_chunk(chunk_size: int, rows: int, vocab: int) -> int:
+def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int) -> int:
     if chunk_size > 0:
         return max(1, min(chunk_size, rows))
-    return max(1, min(rows, _CHUNK_BUDGET_BYTES // max(1, vocab * 4)))
+    budget = min(_CHUNK_BUDGET_BYTES, rows * vocab * itemsize * _CHUNK_FLOOR_FRACTION)
+    return max(1, min(rows, int(budget) // max(1, vocab * 4)))
 
 
 def _flat(t: torch.Tensor | None, rows: int, width: int | None = None):
@@ -149,6 +152,46 @@ def _shifted_moment(z, e):
     """sum exp(z) * z over each row; a -inf logit (probability 0) contributes 0, not NaN."""
     z = z.clamp_min(torch.finfo(z.dtype).min)
     return (e * z).sum(dim=1)
+
+
+# ---- per-chunk kernels of the unmasked op (compiled by inductor under the graphpass backend) ---------
+def _chunk_stats(piece, temperature: float, with_entropy: bool):
+    """`[2 or 3, r]`: each row's max, sum of exp about it and (entropy) shifted first moment; the
+    owned targets' logits are read by the caller (a gather, not worth a kernel)."""
+    x = _scaled(piece, temperature, _compute_dtype(piece.dtype))
+    m, s, z, e = _max_and_sum_exp(x)
+    if not with_entropy:
+        return torch.stack([m, s])
+    return torch.stack([m, s, _shifted_moment(z, e)])
+
+
+def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
+    """One chunk of the logits' gradient, in their dtype (see `_backward`); `[r, 1]` row operands."""
+    x = _scaled(piece, temperature, _compute_dtype(piece.dtype))
+    z = x - lse
+    p = z.exp()
+    out = torch.zeros_like(x)
+    if g_lp is not None:
+        target_column = torch.arange(x.shape[1], device=x.device)[None, :] == local_target
+        out = out - p * g_lp + target_column * g_target
+    if g_ent is not None:
+        # d entropy / dx = p (E[x] - x) = p (-H - (x - lse)); a -inf logit has p = 0 and contributes 0.
+        out = out + p * (-entropy - z.clamp_min(torch.finfo(z.dtype).min)) * g_ent
+    if temperature != 1.0:
+        out = out / temperature
+    return out.to(piece.dtype)
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(fn, kernels: str):
+    """`fn` as run eagerly ("eager") or compiled by inductor ("inductor"), dynamic in the rows."""
+    if kernels != "inductor":
+        return fn
+    if fn not in _KERNELS:
+        _KERNELS[fn] = _torch_api.compile_kernel(fn, "inductor")
+    return _KERNELS[fn]
 
 
 # ---- combine -------------------------------------------------------------------------------------
@@ -213,7 +256,7 @@ def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None)
 
 
 def _forward(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
-             ignore_index: int | None, chunk_size: int):
+             ignore_index: int | None, chunk_size: int, kernels: str):
     group, rank, size = _rank_and_size(group_name)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
@@ -225,28 +268,29 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
     local_target, owned, ignored = _local_targets(target_flat, rank, vocab, ignore_index)
     keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
     stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
-    chunk = _rows_per_chunk(chunk_size, rows, vocab)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize)
     with torch.no_grad():
         for sl, piece in _chunks(logits, chunk):
-            x = _scaled(piece, temperature, dtype)
             lt, own = local_target[sl], owned[sl]
-            stats[sl, _TARGET] = torch.where(own, x.gather(1, lt[:, None])[:, 0], 0)
+            # The target's logit, scaled alone: the same value as read from the scaled chunk.
+            stats[sl, _TARGET] = torch.where(own, _scaled(piece.gather(1, lt[:, None])[:, 0], temperature, dtype), 0)
             stats[sl, _OWNER] = own.to(dtype)
             # Exact below 2^24 in fp32; two ids that round alike pass unnoticed, never a false alarm.
             stats[sl, _TOKEN] = target_flat[sl].to(dtype)
             if masked:
+                x = _scaled(piece, temperature, dtype)
                 keep = keep_mask[None, :] if keep_rows is None else keep_rows[sl]
                 m, s, _, _ = _max_and_sum_exp(_apply_keep_mask(x, keep, lt, own))
                 stats[sl, _M], stats[sl, _S] = m, s
                 if with_entropy:
                     m, s, z, e = _max_and_sum_exp(x)
                     stats[sl, _FULL_M], stats[sl, _FULL_S], stats[sl, _A] = m, s, _shifted_moment(z, e)
+                del x
             else:
-                m, s, z, e = _max_and_sum_exp(x)
-                stats[sl, _M], stats[sl, _S] = m, s
+                row_stats = _kernel(_chunk_stats, kernels)(piece, temperature, with_entropy)
+                stats[sl, _M], stats[sl, _S] = row_stats[0], row_stats[1]
                 if with_entropy:
-                    stats[sl, _A] = _shifted_moment(z, e)
-            del x
+                    stats[sl, _A] = row_stats[2]
     if size > 1:
         # The one collective of the call: its shape is [size * rows, columns] on every rank, whatever
         # the values, grad mode or requires_grad (gloo wants the flat [world * n, ...] output).
@@ -264,7 +308,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
 
 # ---- backward ------------------------------------------------------------------------------------
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
-              temperature: float, ignore_index: int | None, chunk_size: int):
+              temperature: float, ignore_index: int | None, chunk_size: int, kernels: str):
     """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective."""
     _, rank, _ = _rank_and_size(group_name)
     vocab = logits.shape[-1]
@@ -284,7 +328,16 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
     # An entropy returned only for logging gets a zero gradient: skip its recompute.
     g_ent = None if grad_entropy is None or not bool(grad_entropy.any()) else _flat(grad_entropy, rows).to(dtype)
     lse_ent = lse_full if masked else lse_lp
-    chunk = _rows_per_chunk(chunk_size, rows, vocab)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize)
+    if not masked:
+        kernel = _kernel(_chunk_grad, kernels)
+        entropy_rows = entropy.reshape(-1)
+        for sl, piece in _chunks(logits, chunk):
+            grad[sl] = kernel(piece, lse_lp[sl, None],
+                              None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
+                              local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
+                              None if g_ent is None else g_ent[sl, None], temperature)
+        return grad.view(logits.shape)
     for sl, piece in _chunks(logits, chunk):
         x = _scaled(piece, temperature, dtype)
         lt = local_target[sl]
@@ -318,13 +371,14 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=())
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
                        temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
-                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       chunk_size: int, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0])."""
-    return _forward(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size)
+    return _forward(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size, kernels)
 
 
 @_vocab_parallel_op.register_fake
-def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size):
+def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
+      kernels):
     dtype = _compute_dtype(logits.dtype)
     lead = logits.shape[:-1]
     rows = math.prod(lead)
@@ -337,22 +391,25 @@ def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_
 def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None,
                                 lse_lp: torch.Tensor, lse_full: torch.Tensor, entropy: torch.Tensor,
                                 grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
-                                temperature: float, ignore_index: int | None, chunk_size: int) -> torch.Tensor:
+                                temperature: float, ignore_index: int | None, chunk_size: int,
+                                kernels: str) -> torch.Tensor:
     """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
     return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                     temperature, ignore_index, chunk_size)
+                     temperature, ignore_index, chunk_size, kernels)
 
 
 @_vocab_parallel_backward_op.register_fake
 def _(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name, temperature,
-      ignore_index, chunk_size):
+      ignore_index, chunk_size, kernels):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size = inputs
+    (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
+     kernels) = inputs
     logprob, entropy, lse_lp, lse_full = output
     ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
+    ctx.kernels = kernels
     ctx.entropy_grad = with_entropy and entropy_grad
     # O(rows) beyond the inputs: the log-sum-exps and the entropy (the backward's E[x] = lse - H).
     ctx.save_for_backward(logits, target, keep_mask, lse_lp, lse_full, entropy)
@@ -363,16 +420,16 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
     if not ctx.needs_input_grad[0]:
-        return (None,) * 9
+        return (None,) * 10
     logits, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
     if not ctx.entropy_grad:
         grad_entropy = None
     if grad_logprob is None and grad_entropy is None:
-        return (None,) * 9
+        return (None,) * 10
     grad = _vocab_parallel_backward_op(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob,
                                        grad_entropy, ctx.group_name, ctx.temperature, ctx.ignore_index,
-                                       ctx.chunk_size)
-    return (grad,) + (None,) * 8
+                                       ctx.chunk_size, ctx.kernels)
+    return (grad,) + (None,) * 9
 
 
 _vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -441,7 +498,8 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
         keep_mask: optional bool `[*, Vl]` or `[Vl]`: logits not kept count as -inf for the
             log-prob (top-p replay); each row's own target is always kept, as in slime. The entropy
             is that of the unmasked logits.
-        chunk_size: rows per chunk; None chooses about 16 MiB per fp32 `[chunk, Vl]` temporary.
+        chunk_size: rows per chunk; None: one fp32 `[chunk, Vl]` temporary of at most 16 MiB and
+            1/96 of the logits' bytes.
 
     Returns:
         `(logprob, entropy)`, each of the logits' leading shape, float64 for float64 logits and fp32
@@ -483,5 +541,5 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
     logprob, entropy, _, _ = _vocab_parallel_op(logits, target, keep_mask, _group_name(group), float(temperature),
                                                 bool(with_entropy), bool(entropy_grad),
                                                 None if ignore_index is None else int(ignore_index),
-                                                chunk_size or 0)
+                                                chunk_size or 0, "eager")
     return logprob, (entropy if with_entropy else None)
