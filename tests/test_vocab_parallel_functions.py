@@ -25,7 +25,7 @@ from bench.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entr
 
 T = 24
 WIDTH = {2: 24, 4: 12}  # V/tp
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 2e-2}
 
 
 # ---- the single-device float64 reference ---------------------------------------------------------
