@@ -24,8 +24,8 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import requires_grad
-from graphpass.analysis.vocab_parallel import (EMPTY, NOT_PARALLEL, VocabParallelMatch, match_forward, match_graph,
-                                                values_without_gradient)
+from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
+                                                match_graph, values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.records import Candidate, CollectiveRecord, OutputRecord, SiteRecord
@@ -89,8 +89,10 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
     reads (its collectives would still run beside the op's)."""
     match = match_graph(gm, _rank_and_size)
     if isinstance(match, str):
-        if match != NOT_PARALLEL:
-            record.rejected.append(Candidate("graph", f"vocab-parallel code kept: {match}"))
+        # Collectives that compute no log-prob or entropy are none of this pass's business.
+        if match not in (NOT_PARALLEL, NO_LOGPROB):
+            collective = next(gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE))
+            record.rejected.append(Candidate(source_of(collective), f"vocab-parallel code kept: {match}"))
         return
     source = source_of(match.nodes[0])
     requires = requires_grad(gm, example_inputs)
@@ -115,7 +117,8 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
             gm.graph.erase_node(node)
 
 
-_COLLECTIVE_OPS = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default}
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+_COLLECTIVE_OPS = {_ALL_REDUCE, torch.ops._c10d_functional.wait_tensor.default}
 
 
 def _dead_after_replacing(graph, outputs) -> set:

@@ -35,6 +35,7 @@ from graphpass.analysis.recognize import PW, Exp, OutputLabel
 aten = torch.ops.aten
 
 NOT_PARALLEL = "no all-reduce: not vocab-parallel"
+NO_LOGPROB = "no log-prob or entropy of one vocabulary slice"
 #: What an output of a matched forward is, besides the four labels: an empty tensor (slime returns
 #: `new_zeros((0,))` for an entropy it was not asked for).
 EMPTY = "empty"
@@ -423,10 +424,10 @@ def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch |
         return group
     group_name, sums = group
     if not sums:
-        return "no SUM all-reduce"
+        return NO_LOGPROB
     below, above = _descendants(sums), _ancestors(sums)
     rank, _ = rank_and_size(group_name)
-    reason = "no log-prob or entropy of one vocabulary slice"
+    reason = NO_LOGPROB
     for logits in [n for n in gm.graph.nodes if n in above and _is_wide(n)]:
         width = recognize._val(logits).shape[-1]
         if not isinstance(width, int):
