@@ -338,32 +338,27 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
                               local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
                               None if g_ent is None else g_ent[sl, None], temperature)
         return grad.view(logits.shape)
+    # Under a keep mask the log-prob's softmax is over the kept logits, the entropy's over all.
     for sl, piece in _chunks(logits, chunk):
         x = _scaled(piece, temperature, dtype)
         lt = local_target[sl]
         out = torch.zeros_like(x)
-        p_full = None
         if g_lp is not None:
-            xm = _apply_keep_mask(x, keep_mask[None, :] if keep_rows is None else keep_rows[sl], lt, owned[sl]) \
-                if masked else x
-            p = (xm - lse_lp[sl, None]).exp()
-            if not masked:
-                p_full = p
-            out.addcmul_(p, g_lp[sl, None], value=-1)
+            xm = _apply_keep_mask(x, keep_mask[None, :] if keep_rows is None else keep_rows[sl], lt, owned[sl])
+            out.addcmul_((xm - lse_lp[sl, None]).exp(), g_lp[sl, None], value=-1)
             out.scatter_add_(1, lt[:, None], g_target[sl, None])
             del xm
         if g_ent is not None:
             z = x - lse_ent[sl, None]
-            if p_full is None:
-                p_full = z.exp()
+            p = z.exp()
             # d entropy / dx = p (E[x] - x) = p (-H - (x - lse)); a -inf logit has p = 0 and contributes 0.
             z = z.clamp_min(torch.finfo(dtype).min)
-            out.addcmul_(p_full, (-entropy.reshape(rows)[sl, None] - z) * g_ent[sl, None])
-            del z
+            out.addcmul_(p, (-entropy.reshape(rows)[sl, None] - z) * g_ent[sl, None])
+            del z, p
         if temperature != 1.0:
             out.div_(temperature)
         grad[sl] = out
-        del x, out, p_full
+        del x, out
     return grad.view(logits.shape)
 
 
