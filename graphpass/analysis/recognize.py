@@ -273,7 +273,7 @@ def _factor_desc(op: str, factor) -> str:
 _VIEWS = catalogue.packets(catalogue.VIEWS)
 # Ops that change neither values nor layout (dtype casts change precision, not meaning).
 _CASTS = catalogue.packets(catalogue.CASTS)
-_INDEX_TRANSPARENT = _VIEWS | _CASTS
+_TRANSPARENT = _VIEWS | _CASTS
 
 
 def _broadcast_source(n: torch.fx.Node):
@@ -291,11 +291,12 @@ def _broadcast_source(n: torch.fx.Node):
     return source if s_in is not None and s_out is not None and _same_shape(s_in, s_out) else None
 
 
-def _index_key(idx):
-    """The index tensor behind unsqueeze/view/cast wrappers, so x.gather(-1, t[:, None]) and CE(x, t) agree."""
-    while _packet(idx) in _INDEX_TRANSPARENT:
-        idx = idx.args[0]
-    return idx
+def _behind_views(node):
+    """`node` behind view, cast and copy wrappers (they change neither values nor meaning): an
+    index tensor keys alike in x.gather(-1, t[:, None]) and CE(x, t)."""
+    while _packet(node) in _TRANSPARENT:
+        node = node.args[0]
+    return node
 
 
 class _Evaluator:
@@ -358,7 +359,7 @@ class _Evaluator:
             return None if g is None else Exp(tuple(sorted(g.items(), key=repr)))
         if not isinstance(f, dict):
             return None
-        key = _index_key(idx)
+        key = _behind_views(idx)
         out: Lin = {}
         for a, k in f.items():
             # Row constants are the same at every vocabulary position, so gathering keeps them.
@@ -615,7 +616,7 @@ def _h_cross_entropy(ev, n):
     if weight is not None or reduction != 0 or smoothing != 0.0 or f is None:
         return None
     L, _ = ev.normalizer_input(n.args[0], f)
-    return {("gather", L, _index_key(n.args[1])): -1.0, ("lse", L): 1.0}
+    return {("gather", L, _behind_views(n.args[1])): -1.0, ("lse", L): 1.0}
 
 
 def _h_nll_loss(ev, n):
@@ -703,7 +704,7 @@ def _classify_positive(f) -> OutputLabel:
 
 def _cat_parts(node: torch.fx.Node) -> list | None:
     """The parts of a row-wise concatenation of narrow outputs (a chunk loop Dynamo unrolled)."""
-    while _packet(node) in _INDEX_TRANSPARENT and _packet(node) is not aten.expand:
+    while _packet(node) in _TRANSPARENT and _packet(node) is not aten.expand:
         node = node.args[0]
     if _packet(node) is not aten.cat:
         return None

@@ -78,21 +78,13 @@ class _Owned:
 
 _COLLECTIVES = torch.ops._c10d_functional
 _OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
-_TRANSPARENT = catalogue.packets(catalogue.VIEWS) | catalogue.packets(catalogue.CASTS)
-
-
-def _strip(node):
-    """`node` behind views, casts and copies (they change neither the values nor their meaning)."""
-    while recognize._packet(node) in _TRANSPARENT:
-        node = node.args[0]
-    return node
 
 
 def _constant(gm, x):
     """The Python number `x` stands for (a number, or a lifted 0-d constant tensor), else None."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return x
-    x = _strip(x) if isinstance(x, torch.fx.Node) else x
+    x = recognize._behind_views(x) if isinstance(x, torch.fx.Node) else x
     if isinstance(x, torch.fx.Node) and x.op == "get_attr":
         value = getattr(gm, x.target, None)
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not _torch_api.is_fake(value):
@@ -108,7 +100,6 @@ class _ShardEvaluator(recognize._Evaluator):
     def __init__(self, gm: torch.fx.GraphModule, logits: torch.fx.Node, first_column: int, width: int):
         super().__init__()
         self.gm, self.logits, self.first_column, self.width = gm, logits, first_column, width
-        self.group_names: set[str] = set()
         self.after_collective = self._derived_from_collectives_only(gm.graph)
 
     def _eval(self, n):
@@ -167,16 +158,16 @@ class _ShardEvaluator(recognize._Evaluator):
     # -- the ownership pattern -------------------------------------------------------------
     def ownership_mask(self, node):
         """The target `t` if `node` is `(t < s) | (t >= e)` for this rank's columns [s, e), else None."""
-        node = _strip(node)
+        node = recognize._behind_views(node)
         if recognize._packet(node) not in _OR:
             return None
-        below, above = (_strip(a) for a in node.args[:2])
+        below, above = (recognize._behind_views(a) for a in node.args[:2])
         if recognize._packet(below) is aten.ge:
             below, above = above, below
         if recognize._packet(below) is not aten.lt or recognize._packet(above) is not aten.ge:
             return None
-        t = _strip(below.args[0])
-        if _strip(above.args[0]) is not t or t.op != "placeholder":
+        t = recognize._behind_views(below.args[0])
+        if recognize._behind_views(above.args[0]) is not t or t.op != "placeholder":
             return None
         if _constant(self.gm, below.args[1]) != self.first_column or \
                 _constant(self.gm, above.args[1]) != self.first_column + self.width:
@@ -201,20 +192,19 @@ class _ShardEvaluator(recognize._Evaluator):
 
     def local_index(self, node):
         """The target `t` if `node` is this rank's column of `t`, 0 where it does not own `t`."""
-        found = self._zero_where_mask(_strip(node))
+        found = self._zero_where_mask(recognize._behind_views(node))
         if found is None:
             return None
         shifted, t = found
-        shifted = _strip(shifted)
-        if recognize._packet(shifted) is not aten.sub or _strip(shifted.args[0]) is not t or \
+        shifted = recognize._behind_views(shifted)
+        if recognize._packet(shifted) is not aten.sub or recognize._behind_views(shifted.args[0]) is not t or \
                 _constant(self.gm, shifted.args[1]) != self.first_column or len(shifted.args) > 2:
             return None
         return t
 
 
 def _all_reduce(ev: _ShardEvaluator, n):
-    tensor, op, group_name = n.args[:3]
-    ev.group_names.add(group_name)
+    tensor, op = n.args[:2]
     f = ev(tensor)
     if op == "sum" and isinstance(f, _Partial) and ev.replicated(f.form):
         return f.form
@@ -304,11 +294,11 @@ def _not_understood(ev, n):
     return None
 
 
-_SHARE_AWARE = _TRANSPARENT | {aten.select, aten.index_put, aten.masked_fill, aten.where, _COLLECTIVES.all_reduce,
-                                _COLLECTIVES.wait_tensor}
+_SHARE_AWARE = recognize._TRANSPARENT | {aten.select, aten.index_put, aten.masked_fill, aten.where,
+                                          _COLLECTIVES.all_reduce, _COLLECTIVES.wait_tensor}
 _SHARD_HANDLERS = {
-    **{p: _passes_shares(h) for p, h in recognize._HANDLERS.items() if p in _TRANSPARENT},
-    **{p: h for p, h in recognize._HANDLERS.items() if p not in _TRANSPARENT},
+    **{p: _passes_shares(h) for p, h in recognize._HANDLERS.items() if p in recognize._TRANSPARENT},
+    **{p: h for p, h in recognize._HANDLERS.items() if p not in recognize._TRANSPARENT},
     # On one slice these normalise, gather or reduce over the slice alone.
     **{p: _not_understood for p in (aten.log_softmax, aten._log_softmax, aten.softmax, aten._softmax,
                                     aten.logsumexp, aten.take_along_dim, aten.cross_entropy_loss,
@@ -368,13 +358,16 @@ def _is_wide(node) -> bool:
     return isinstance(val, torch.Tensor) and val.ndim >= 2 and val.is_floating_point()
 
 
-def _match(gm, logits, outputs, group_name, rank_and_size) -> VocabParallelMatch | str:
-    """Label `outputs` as vocab-parallel functions of the `[..., V/tp]` node `logits`."""
-    rank, size = rank_and_size(group_name)
+def _evaluator(gm, logits, group_name, rank_and_size) -> _ShardEvaluator | None:
+    """The evaluator for `logits` as this rank's slice of the group's vocabulary; None when the
+    slice's width is symbolic (its first column would be too)."""
+    rank, _ = rank_and_size(group_name)
     width = recognize._val(logits).shape[-1]
-    if not isinstance(width, int):
-        return "the vocabulary slice has a symbolic width"
-    ev = _ShardEvaluator(gm, logits, rank * width, width)
+    return _ShardEvaluator(gm, logits, rank * width, width) if isinstance(width, int) else None
+
+
+def _match(ev: _ShardEvaluator, outputs, group_name, rank_and_size) -> VocabParallelMatch | str:
+    """Label `outputs` as vocab-parallel functions of the evaluator's logits."""
     kinds, temperatures, targets = [], set(), set()
     for node in outputs:
         label = _label(ev, node)
@@ -390,9 +383,9 @@ def _match(gm, logits, outputs, group_name, rank_and_size) -> VocabParallelMatch
         return "no output is a log-prob or an entropy"
     if len(temperatures) != 1 or len(targets) > 1:
         return "outputs at different temperatures or of different targets"
-    return VocabParallelMatch(logits=logits, target=targets.pop() if targets else None, group_name=group_name,
-                              group_size=size, temperature=temperatures.pop(), outputs=tuple(kinds),
-                              nodes=tuple(outputs))
+    return VocabParallelMatch(logits=ev.logits, target=targets.pop() if targets else None, group_name=group_name,
+                              group_size=rank_and_size(group_name)[1], temperature=temperatures.pop(),
+                              outputs=tuple(kinds), nodes=tuple(outputs))
 
 
 def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> VocabParallelMatch | str:
@@ -409,7 +402,10 @@ def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> Voc
     wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
     if len(wide) != 1:
         return f"{len(wide)} floating-point inputs of 2 or more dims (expected the logits alone)"
-    return _match(gm, wide[0], outputs, group[0], rank_and_size)
+    ev = _evaluator(gm, wide[0], group[0], rank_and_size)
+    if ev is None:
+        return "the vocabulary slice has a symbolic width"
+    return _match(ev, outputs, group[0], rank_and_size)
 
 
 def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch | str:
@@ -425,19 +421,17 @@ def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch |
     group_name, sums = group
     if not sums:
         return NO_LOGPROB
-    below, above = _descendants(sums), _ancestors(sums)
-    rank, _ = rank_and_size(group_name)
+    below, above = _closure(sums, "users"), _closure(sums, "all_input_nodes")
     reason = NO_LOGPROB
     for logits in [n for n in gm.graph.nodes if n in above and _is_wide(n)]:
-        width = recognize._val(logits).shape[-1]
-        if not isinstance(width, int):
+        ev = _evaluator(gm, logits, group_name, rank_and_size)
+        if ev is None:
             continue
-        ev = _ShardEvaluator(gm, logits, rank * width, width)
         labelled = {n for n in gm.graph.nodes if n in below and not _is_wide(n) and _labelled(ev, n)}
         # The last of them: those read by something else (a log-prob's squeeze is the log-prob).
         outputs = [n for n in gm.graph.nodes if n in labelled and any(u not in labelled for u in n.users)]
         if outputs:
-            match = _match(gm, logits, outputs, group_name, rank_and_size)
+            match = _match(ev, outputs, group_name, rank_and_size)
             if not isinstance(match, str):
                 return match
             reason = match
@@ -450,11 +444,8 @@ def values_without_gradient(gm: torch.fx.GraphModule, match: VocabParallelMatch,
     vocabulary (a log-sum-exp, the target's logit, E[x], or a rank's share of one) but carry no
     gradient (detached, or computed under no_grad): where there are any, the code's gradient is not
     the gradient of its values, and the op cannot stand in for it."""
-    rank, _ = rank_and_size(match.group_name)
-    width = recognize._val(match.logits).shape[-1]
-    ev = _ShardEvaluator(gm, match.logits, rank * width, width)
-    between = _ancestors(match.nodes) | set(match.nodes)
-    between &= _descendants([match.logits])
+    ev = _evaluator(gm, match.logits, match.group_name, rank_and_size)
+    between = (_closure(match.nodes, "all_input_nodes") | set(match.nodes)) & _closure([match.logits], "users")
     return [n for n in gm.graph.nodes if n in between and _has_statistic(ev(n)) and not requires.get(n, False)]
 
 
@@ -475,21 +466,13 @@ def _labelled(ev, node) -> bool:
         return False
 
 
-def _ancestors(nodes) -> set:
+def _closure(nodes, direction: str) -> set:
+    """The nodes reached from `nodes` (not themselves) along `direction`: "all_input_nodes"
+    (ancestors) or "users" (descendants)."""
     seen, todo = set(), list(nodes)
     while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return seen
-
-
-def _descendants(nodes) -> set:
-    seen, todo = set(), list(nodes)
-    while todo:
-        for u in todo.pop().users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
+        for n in getattr(todo.pop(), direction):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
     return seen
