@@ -41,7 +41,7 @@ class Backend:
             return self._fall_back(gm, example_inputs, record, f"rewrite failed: {_describe(e)}", e)
         if reporting_enabled(self.config):
             print_graph_report(result)
-        if not record.sites:
+        if not record.rewritten:
             return _torch_api.inner_compile(self.config.inner, gm, example_inputs)
         try:
             return _torch_api.inner_compile(self.config.inner, result.after, example_inputs)
@@ -56,6 +56,7 @@ class Backend:
             raise error
         record.fallback_reason = reason.splitlines()[0]
         record.sites.clear()
+        record.cp.clear()
         log.warning("graphpass: graph %d runs unchanged: %s", record.index, record.fallback_reason,
                     exc_info=log.isEnabledFor(logging.DEBUG))
         return _torch_api.inner_compile(self.config.inner, gm, example_inputs)

@@ -83,6 +83,24 @@ class Candidate:
 
 
 @dataclasses.dataclass
+class CpRecord:
+    """What became of the context-parallel `unshard`s of one graph (`passes.localize_cp_reductions`)."""
+
+    source: str
+    """The user's source line of the first `unshard`."""
+    rewritten: bool
+    """True: the loss reduces local rows and sums the results over ranks; False: `unshard` stays."""
+    reason: str | None
+    """Why the `unshard`s stay (None when rewritten)."""
+    unshards: int
+    """How many `unshard` calls the graph has."""
+    reductions: list[str] = dataclasses.field(default_factory=list)
+    """The reductions over tokens computed locally, e.g. ["sum", "index_add"]."""
+    collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
+    """The collectives one call of the graph issues for them, forward (backward issues none)."""
+
+
+@dataclasses.dataclass
 class GraphRecord:
     """One graph that Dynamo handed to the backend."""
 
@@ -94,6 +112,8 @@ class GraphRecord:
     """Set when the whole rewrite failed and the graph ran unchanged."""
     collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
     """Every collective graphpass inserted or rewrote in this graph, per call of the graph."""
+    cp: list[CpRecord] = dataclasses.field(default_factory=list)
+    """The context-parallel rewrite of this graph, if it has `unshard`s."""
     passes_run: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     """Where torch.compile itself changes the math of this graph (`graphpass.lint`)."""
@@ -101,3 +121,8 @@ class GraphRecord:
     """The rewritten ATen-level `torch.fx.GraphModule` handed to the inner compiler."""
     example_inputs: list = dataclasses.field(default_factory=list, repr=False)
     """Fake example inputs of `graph_module` (shapes and dtypes only)."""
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether any pass changed the graph (else the backend compiles Dynamo's graph as it is)."""
+        return bool(self.sites) or any(c.rewritten for c in self.cp)

@@ -18,6 +18,7 @@ PASS_NAMES = (
     "fold_row_loops_pass",  # stack/cat/buffer of f(x[i]) over a loop's rows -> f(x): one region
     "tag_grad_flow_pass",  # node.meta: can a gradient from the outputs reach this node?
     "chunk_rowwise_regions_pass",  # each row-local region -> one graphpass::rowwise_chunked op
+    "localize_cp_reductions_pass",  # CP: reductions of unshard(y) -> local reductions + one sum over ranks
 )
 
 __all__ = ["PASS_NAMES", "Pass", "check_pass_names", "registry", *PASS_NAMES]
