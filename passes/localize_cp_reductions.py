@@ -147,7 +147,7 @@ def _classify(node, row_values, total) -> str:
             return "scatters along another dim, or by an unsharded index"
         if not (_row_aligned(src, total) and _row_aligned(index, total)):
             return "scatters rows of another shape"
-        if target is aten.scatter_add.default and not _torch_api.same_shape(index.meta["val"], src.meta["val"]):
+        if target is aten.scatter_add.default and not _torch_api.same_shape(index.meta["val"].shape, src.meta["val"].shape):
             return "scatters by an index of another shape than its source"
         return "reduction"
     if not isinstance(val, torch.Tensor) or not _row_aligned(node, total):

@@ -1,0 +1,179 @@
+"""localize_cp_reductions_pass on one process: a CP layout over a group of one.
+
+A group of one still has padding rows (the zigzag layout pads each sequence to a multiple of 2),
+so the local reductions must leave them out exactly as across ranks; the multi-process parity is
+in tests/test_cp.py. Every case compares the value and every input's gradient with eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphpass
+from bench import cp_losses
+from graphpass import cp
+
+LENS = [5, 2, 8, 3]  # odd lengths: padding rows in the zigzag layout
+
+
+def _inputs(seed=0, requires=("local_logits",)):
+    data = cp_losses.rollout(LENS, 7, seed=seed)
+    layout = cp.Layout.zigzag(None, LENS)
+    data["local_logits"] = layout.shard(data.pop("logits"))
+    for name in requires:
+        data[name] = data[name].clone().requires_grad_()
+    return layout, data
+
+
+ARGS = ("local_logits", "tokens", "old_logp", "adv", "mask", "seq_ids", "seq_zeros")
+
+
+def _run(fn, layout, data):
+    """fn(layout, *ARGS) compiled with graphpass and eager: (record, compiled, eager, grads each)."""
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner="aot_eager")
+    results = []
+    for f in (torch.compile(fn, backend=backend), fn):
+        inputs = {k: (v.detach().clone().requires_grad_() if v.requires_grad else v) for k, v in data.items()}
+        value = f(layout, *(inputs[k] for k in ARGS))
+        loss = value[0] if isinstance(value, tuple) else value
+        leaves = [k for k in ARGS if inputs[k].requires_grad]
+        grads = torch.autograd.grad(loss, [inputs[k] for k in leaves])
+        results.append((value, dict(zip(leaves, grads))))
+    assert len(backend.records) == 1 and backend.records[0].fallback_reason is None
+    return backend.records[0], results[0], results[1]
+
+
+def _assert_same(compiled, eager):
+    (value, grads), (ref, ref_grads) = compiled, eager
+    for a, b in zip(torch.utils._pytree.tree_leaves(value), torch.utils._pytree.tree_leaves(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+EXPECTED = {"ppo_token_mean": (["sum"], 1), "grpo_sample_mean": (["index_add"], 1),
+            "gspo": (["index_add"], 1), "opsm": (["index_add", "sum"], 2)}
+
+
+@pytest.mark.parametrize("name", cp_losses.LOSSES)
+def test_rl_losses_reduce_locally_and_sum_once_per_dependency_level(name):
+    layout, data = _inputs()
+    loss = cp_losses.loss_by_name(name)
+    record, compiled, eager = _run(lambda lay, *a: cp_losses.cp_loss(loss, lay, *a), layout, data)
+    [cp_record] = record.cp
+    assert cp_record.rewritten and cp_record.reason is None, cp_record
+    reductions, levels = EXPECTED[name]
+    assert cp_record.reductions == reductions
+    assert [c.op for c in cp_record.collectives] == ["all_reduce"] * levels
+    assert record.collectives == cp_record.collectives
+    targets = [n.target for n in record.graph_module.graph.nodes]
+    assert torch.ops.graphpass.cp_unshard.default not in targets
+    assert targets.count(torch.ops.graphpass.cp_sum_over_ranks.default) == levels
+    _assert_same(compiled, eager)
+
+
+def _logp(layout, local_logits, tokens):
+    return layout.unshard(cp_losses.token_logprobs(local_logits, layout.shifted_targets(tokens)))
+
+
+def _mean_and_views(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    both = layout.unshard(torch.stack([cp_losses.token_logprobs(local_logits, layout.shifted_targets(tokens)),
+                                       local_logits.logsumexp(-1)], dim=1))  # [T, 2]
+    scaled = (both * mask[:, None]).reshape(-1, 2).unsqueeze(-1).squeeze(-1)
+    per_column = scaled.mean(0)  # a mean over the rows of a [T, 2] value
+    token_sum = (logp[:, None] * old_logp.unsqueeze(1)).sum(-1)  # a reduction over another dim stays row-wise
+    scatter = seq_zeros.scatter_add(0, seq_ids, token_sum * mask)
+    return per_column.sum() + (logp * mask).mean() + scatter.sum() + (adv * logp).sum(dtype=torch.float64)
+
+
+def test_means_views_column_reductions_and_scatter_add_reduce_locally():
+    layout, data = _inputs(seed=1)
+    record, compiled, eager = _run(_mean_and_views, layout, data)
+    [cp_record] = record.cp
+    assert cp_record.rewritten, cp_record
+    assert sorted(cp_record.reductions) == ["mean", "mean", "scatter_add", "sum"]
+    assert len(cp_record.collectives) == 1
+    _assert_same(compiled, eager)
+
+
+# ---- what must keep the exact unshard ------------------------------------------------------------------
+def _returns_logp(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return ((logp - old_logp) * mask).sum(), logp.detach()
+
+
+def _cumsum(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return (logp.cumsum(0) * mask).sum()
+
+
+def _shifted_rows(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return (logp[1:] * mask[:-1]).sum()
+
+
+def _max_of_sequence_sums(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return seq_zeros.index_add(0, seq_ids, logp * mask).max() + (logp * mask).sum()
+
+
+def _replicated_requires_grad(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return ((logp - old_logp) ** 2 * mask).sum()
+
+
+def _broadcast_against_rows(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return (logp[None, :] * mask[:, None]).sum()  # [T, T]: every row against every row
+
+
+KEPT = [
+    (_returns_logp, (), "returned"),
+    (_cumsum, (), "cumsum"),
+    (_shifted_rows, (), "slice"),
+    (_replicated_requires_grad, ("old_logp",), "requires grad"),
+    (_broadcast_against_rows, (), "unsqueeze"),
+]
+
+
+@pytest.mark.parametrize("fn, requires, why", KEPT, ids=[k[0].__name__.strip("_") for k in KEPT])
+def test_anything_else_keeps_the_exact_unshard_with_the_reason(fn, requires, why):
+    layout, data = _inputs(seed=2, requires=("local_logits", *requires))
+    record, compiled, eager = _run(fn, layout, data)
+    [cp_record] = record.cp
+    assert not cp_record.rewritten and why in cp_record.reason, cp_record
+    assert "\n" not in cp_record.reason
+    assert [c.op for c in cp_record.collectives] == ["all_gather"]
+    assert torch.ops.graphpass.cp_unshard.default in [n.target for n in record.graph_module.graph.nodes]
+    _assert_same(compiled, eager)
+
+
+def test_math_on_the_summed_values_is_replicated_math():
+    layout, data = _inputs(seed=3)
+    record, compiled, eager = _run(_max_of_sequence_sums, layout, data)
+    # The index_add is a per-sequence sum; its max is math on the [N] sums every rank holds.
+    [cp_record] = record.cp
+    assert cp_record.rewritten, cp_record
+    _assert_same(compiled, eager)
+
+
+def test_a_new_batch_with_other_sequence_lengths_reuses_the_compiled_graph():
+    backend = graphpass.Backend(inner="aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda lay, *a: cp_losses.cp_loss(cp_losses.gspo, lay, *a), backend=backend)
+    for step, lens in enumerate([[5, 2, 8, 3], [7, 4], [3, 3, 9, 2, 6], [11, 1, 5]]):
+        data = cp_losses.rollout(lens, 7, seed=step)
+        layout = cp.Layout.zigzag(None, lens)
+        local = layout.shard(data.pop("logits")).requires_grad_()
+        eager_local = local.detach().clone().requires_grad_()
+        value = compiled(layout, local, *(data[k] for k in ARGS[1:]))
+        ref = cp_losses.cp_loss(cp_losses.gspo, layout, eager_local, *(data[k] for k in ARGS[1:]))
+        value.backward(), ref.backward()
+        torch.testing.assert_close(value, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(local.grad, eager_local.grad, rtol=1e-12, atol=1e-12)
+    # The first call compiles with static sizes, the second dynamic; later batches reuse it.
+    assert len(backend.records) == 2 and all(r.cp and r.cp[0].rewritten for r in backend.records)
