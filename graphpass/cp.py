@@ -17,12 +17,14 @@ same on every rank, as in slime, where every rank holds the whole rollout batch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.distributed
 
 from graphpass.ops.cp import cp_shard, cp_shifted_targets, cp_unshard
+from graphpass.ops.groups import all_gather, group_name, rank_and_size
 
 __all__ = ["Layout"]
 
@@ -37,7 +39,8 @@ class Layout:
     so they are the same on every rank; a new batch gets a new layout and reuses compiled code.
     """
 
-    def __init__(self, kind: str, group, seq_lens, *, pad_multiple: int = 1, tp_group=None, device=None):
+    def __init__(self, kind: str, group, seq_lens, *, pad_multiple: int = 1, tp_group=None, device=None,
+                 check: bool = True):
         if kind not in KINDS:
             raise ValueError(f"graphpass.cp: unknown layout {kind!r}; use one of {', '.join(KINDS)}")
         self.kind = kind
@@ -50,11 +53,26 @@ class Layout:
         rows = _zigzag_rows(self.seq_lens, self.size) if kind == "zigzag" else \
             _contiguous_rows(sum(self.seq_lens), self.size, pad_multiple)
         device = torch.device("cpu") if device is None else torch.device(device)
+        if check and self.size > 1:
+            self._check_same_on_every_rank(pad_multiple, device)
         self.all_rows = rows.to(device)
         """`[cp, T_local]`: the global row each rank's local row holds, -1 for padding."""
         self.local_rows = rows[self.rank].contiguous().to(device)
         self.next_rows = _next_rows(rows[self.rank], self.seq_lens).to(device)
         self.order = _order(rows).to(device)
+
+    def _check_same_on_every_rank(self, pad_multiple: int, device) -> None:
+        """One all-gather of a fingerprint of the layout: ranks given different sequence lengths
+        would otherwise disagree on every shape that follows, and hang or mix rows."""
+        digest = hashlib.blake2b(repr((self.kind, self.seq_lens, pad_multiple)).encode(), digest_size=7).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.long, device=device)
+        every = torch.empty(self.size, dtype=torch.long, device=device)
+        all_gather(every, mine, self.group)
+        if bool((every != mine).any()):
+            differ = [r for r in range(self.size) if int(every[r]) != int(mine)]
+            raise ValueError(f"graphpass.cp: ranks {differ} of the context-parallel group were given another layout than "
+                             f"rank {self.rank} ({self.kind}, {len(self.seq_lens)} sequences, T={sum(self.seq_lens)}); "
+                             "pass the same seq_lens on every rank")
 
     # ---- constructors --------------------------------------------------------------------------
     @classmethod
@@ -165,14 +183,9 @@ def _check_seq_lens(seq_lens) -> tuple[int, ...]:
 def _group(group):
     """(group, name, this rank in it, its size); a single process without torch.distributed is a
     group of one named ""."""
-    if group is None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return None, "", 0, 1
-        group = torch.distributed.group.WORLD
-    if not isinstance(group, torch.distributed.ProcessGroup):
-        raise ValueError(f"graphpass.cp: group must be a torch.distributed ProcessGroup or None, got "
-                         f"{type(group).__name__}")
-    return group, group.group_name, group.rank(), group.size()
+    name = group_name(group)
+    resolved, rank, size = rank_and_size(name)
+    return resolved, name, rank, size
 
 
 def _check_disjoint(cp_group, tp_group) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed
 
-from graphpass.ops.vocab_parallel import _all_gather, _rank_and_size
+from graphpass.ops.groups import all_gather, rank_and_size
 
 
 def _take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -84,12 +84,12 @@ def _(tokens, next_rows, ignore_index):
 # ---- unshard -------------------------------------------------------------------------------------
 def _gather_rows(y: torch.Tensor, group_name: str) -> torch.Tensor:
     """Every rank's `[T_local, ...]` rows concatenated in rank order: `[cp * T_local, ...]`."""
-    group, _, size = _rank_and_size(group_name)
+    group, _, size = rank_and_size(group_name)
     if size == 1:
         return y
     y = y.contiguous()
     out = y.new_empty((size * y.shape[0],) + tuple(y.shape[1:]))
-    _all_gather(out, y, group)
+    all_gather(out, y, group)
     return out
 
 
@@ -118,26 +118,38 @@ def _unshard_backward(ctx, grad):
 cp_unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 
-# ---- the sum over ranks of a reduced loss --------------------------------------------------------
+# ---- the sums over ranks of a reduced loss -------------------------------------------------------
 @torch.library.custom_op("graphpass::cp_sum_over_ranks", mutates_args=())
-def cp_sum_over_ranks(partials: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum over the group's ranks of each rank's partial sums (one all-reduce). Backward: the
-    gradient as it is: every rank computes the whole loss from the sum, so d loss / d partial is
-    d loss / d sum on every rank, no collective."""
-    group, _, size = _rank_and_size(group_name)
-    out = partials.contiguous().clone()
-    if size > 1:
-        torch.distributed.all_reduce(out, group=group)
-    return out
+def cp_sum_over_ranks(partials: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    """Each of `partials` summed over the group's ranks, all in one all-reduce (of the widest
+    dtype among them). Backward: the gradients as they are: every rank computes the whole loss
+    from the sums, so d loss / d partial is d loss / d sum on every rank, no collective."""
+    group, _, size = rank_and_size(group_name)
+    if size == 1:
+        return [p.clone() for p in partials]
+    dtype = _common_dtype(partials)
+    flat = torch.cat([p.reshape(-1).to(dtype) for p in partials])
+    torch.distributed.all_reduce(flat, group=group)
+    return [piece.view(p.shape).to(p.dtype) for piece, p in zip(flat.split([p.numel() for p in partials]), partials)]
+
+
+def _common_dtype(partials) -> torch.dtype:
+    dtypes = {p.dtype for p in partials}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float64
+
+
+def sum_over_ranks_bytes(partials) -> int:
+    """Bytes one rank contributes to `cp_sum_over_ranks(partials)` (fake tensors are fine)."""
+    return sum(p.numel() for p in partials) * _common_dtype(partials).itemsize
 
 
 @cp_sum_over_ranks.register_fake
 def _(partials, group_name):
-    return torch.empty_like(partials, memory_format=torch.contiguous_format)
+    return [torch.empty_like(p, memory_format=torch.contiguous_format) for p in partials]
 
 
-def _sum_backward(ctx, grad):
-    return grad, None
+def _sum_backward(ctx, grads):
+    return list(grads), None
 
 
 cp_sum_over_ranks.register_autograd(_sum_backward, setup_context=lambda ctx, inputs, output: None)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed
 
 from graphpass import _torch_api
+from graphpass.ops.groups import all_gather, group_name, rank_and_size
 
 # Rows per chunk when the caller does not choose: one fp32 `[chunk, V/tp]` temporary takes about
 # this many bytes, and at most this fraction of the floor (the logits' gradient), so that the
@@ -56,31 +57,6 @@ def collective_bytes(rows: int, dtype: torch.dtype, with_entropy: bool, masked: 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 logits are computed (and returned) in float64; every other float dtype in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# ---- the group -----------------------------------------------------------------------------------
-def _group_name(group) -> str:
-    """The name the op carries for `group`; "" for a single process without torch.distributed."""
-    if group is None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return ""
-        group = torch.distributed.group.WORLD
-    return group.group_name
-
-
-def _rank_and_size(group_name: str):
-    """(group, this rank in it, its size); (None, 0, 1) for the single-process name ""."""
-    if not group_name:
-        return None, 0, 1
-    group = _torch_api.resolve_process_group(group_name)
-    return group, group.rank(), group.size()
-
-
-def _all_gather(output, tensor, group) -> None:
-    """Gather every rank's `tensor` into `output` ([size * n, ...]): `all_gather_single` where torch
-    has it (2.13 deprecates `all_gather_into_tensor` in its favour), else `all_gather_into_tensor`."""
-    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-    gather(output, tensor, group=group)
 
 
 # ---- layout --------------------------------------------------------------------------------------
@@ -257,7 +233,7 @@ def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None)
 
 def _forward(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
              ignore_index: int | None, chunk_size: int, kernels: str):
-    group, rank, size = _rank_and_size(group_name)
+    group, rank, size = rank_and_size(group_name)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     rows = math.prod(lead)
@@ -295,7 +271,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
         # The one collective of the call: its shape is [size * rows, columns] on every rank, whatever
         # the values, grad mode or requires_grad (gloo wants the flat [world * n, ...] output).
         gathered = torch.empty(size * rows, columns, dtype=dtype, device=logits.device)
-        _all_gather(gathered, stats, group)
+        all_gather(gathered, stats, group)
         stats = gathered.view(size, rows, columns)
     else:
         stats = stats[None]
@@ -310,7 +286,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
               temperature: float, ignore_index: int | None, chunk_size: int, kernels: str):
     """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective."""
-    _, rank, _ = _rank_and_size(group_name)
+    _, rank, _ = rank_and_size(group_name)
     vocab = logits.shape[-1]
     rows = math.prod(logits.shape[:-1])
     dtype = _compute_dtype(logits.dtype)
@@ -447,7 +423,7 @@ def _(x, group_name):
 @torch.library.custom_op("graphpass::all_reduce_sum", mutates_args=())
 def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of `x` over the ranks of the group (one all-reduce; none for a group of one)."""
-    group, _, size = _rank_and_size(group_name)
+    group, _, size = rank_and_size(group_name)
     out = x.contiguous().clone()
     if size > 1:
         torch.distributed.all_reduce(out, group=group)
@@ -533,7 +509,7 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
         raise ValueError(f"graphpass: temperature must be a positive Python number, got {temperature!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {chunk_size!r}")
-    logprob, entropy, _, _ = _vocab_parallel_op(logits, target, keep_mask, _group_name(group), float(temperature),
+    logprob, entropy, _, _ = _vocab_parallel_op(logits, target, keep_mask, group_name(group), float(temperature),
                                                 bool(with_entropy), bool(entropy_grad),
                                                 None if ignore_index is None else int(ignore_index),
                                                 chunk_size or 0, "eager")
