@@ -125,10 +125,15 @@ class _Sites:
         site = self.find(key)
         return [o.keeps_grad for o in site.outputs] if site is not None else None
 
-    def workspace_bytes(self, key: str, tensors) -> int:
-        """Per-chunk transient bytes of the chunked op `key` over these inputs (0 if unrecorded)."""
+    def workspace_bytes(self, key: str, tensors, backward: bool = True) -> int:
+        """Per-chunk transient bytes of the chunked op `key` over these inputs (0 if unrecorded),
+        in its forward or its backward."""
         site = self.find(key, tensors)
-        return int(site.workspace_bytes or 0) if site is not None else 0
+        if site is None:
+            return 0
+        if not backward and site.forward_workspace_bytes is not None:
+            return int(site.forward_workspace_bytes)
+        return int(site.workspace_bytes or 0)
 
 
 def _hinted(shape) -> tuple:
@@ -343,7 +348,7 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimat
         ws = 0
         if n.op == "call_function" and _is_chunked_op(n.target) and n.args and isinstance(n.args[0], str):
             args_tensors = [a.meta["val"] for a in n.args[1] if isinstance(a, torch.fx.Node)]
-            ws = sites.workspace_bytes(n.args[0], args_tensors)
+            ws = sites.workspace_bytes(n.args[0], args_tensors, backward=i >= bwd_start)
         if live_bytes + ws > peak:
             peak, peak_node, peak_live, peak_ws = live_bytes + ws, n.name, dict(live), ws
             peak_phase = "backward" if i >= bwd_start else "forward"

@@ -68,6 +68,15 @@ class SiteRecord:
     """The tensor-parallel process group's name, None when `tp_size == 1`."""
     collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)
     """The collectives one call issues, forward and backward."""
+    lm_head: bool = False
+    """True when the op also computes the logits, `hidden @ W.T (+ bias)`, chunk by chunk: they
+    never exist as a tensor, and the op's gradients are the hidden states', the weight's (and
+    bias's). `shape` is still the logits' shape."""
+    hidden_shape: tuple | None = None
+    """Shape of the hidden states an lm_head site reads; None otherwise."""
+    forward_workspace_bytes: int | None = None
+    """Transient bytes of the forward, when they differ from `workspace_bytes` (which is then the
+    backward's); None: the same."""
 
     @property
     def grads_kept(self) -> list[bool]:

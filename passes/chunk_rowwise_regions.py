@@ -25,10 +25,12 @@ import torch
 from graphpass._torch_api import (detect_fake_mode, float64_tensor_node, known_equal, new_fake_mode, size_hint,
                                   stable_topological_sort)
 from graphpass.analysis import rowlocal
-from graphpass.analysis.grad_flow import grad_flows
+from graphpass.analysis.grad_flow import grad_flows, grad_modes
+from graphpass.analysis.lm_head import LmHead, match_lm_head
 from graphpass.analysis.regions import Region, find_regions, source_of
 from graphpass.ops import chunked_op
 from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
+from graphpass.ops.lm_head import HeadSpec, LinearHeadProgram
 from graphpass.records import Candidate, OutputRecord, SiteRecord
 
 log = logging.getLogger("graphpass")
@@ -43,21 +45,57 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     """Rewrite every row-local region of `gm` into a chunked op; fill `record.sites/rejected`."""
     regions, rejected = find_regions(gm)
     record.rejected.extend(rejected)
+    modes = grad_modes(gm.graph)
     built = []
     for region in regions:  # build and label every region before the graph changes under them
+        head = _lm_head(region, modes, record)
         try:
-            program, input_nodes = _build_program(region, config)
+            try:
+                program, input_nodes = _build_program(region, config, head)
+            except RegionRejected as e:
+                if head is None:
+                    raise
+                # The region alone may still be rewritten, reading the logits as today.
+                _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
+                head = None
+                program, input_nodes = _build_program(region, config, None)
         except RegionRejected as e:
             record.rejected.append(Candidate(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
-        record.sites.append(_site_record(region, program, input_nodes))
-        built.append((region, program, input_nodes))
-    for region, program, input_nodes in built:
-        _replace(gm.graph, region, program, input_nodes)
+        record.sites.append(_site_record(region, program, input_nodes, head))
+        built.append((region, program, input_nodes, head))
+    for region, program, input_nodes, head in built:
+        _replace(gm.graph, region, program, input_nodes, head)
     # An output may be used before the region's last node; move such users after the op.
     stable_topological_sort(gm.graph)
     return gm
+
+
+def _lm_head(region: Region, modes, record) -> LmHead | None:
+    """The lm_head the region's op can absorb, or None (the reason, where there is one, recorded)."""
+    wide = [n for n in region.inputs if _is_wide_input(region, n)]
+    for node in wide:
+        head, why = match_lm_head(region, node, modes)
+        if why is not None:
+            record.rejected.append(Candidate(source_of(node), f"lm_head not fused into the region at "
+                                                              f"{source_of(region.anchor)}: {why}"))
+        if head is None:
+            continue
+        if len(wide) != 1:
+            _keep_head(record, head, "the region reads other [rows, V] inputs besides the lm_head's logits")
+            return None
+        return head
+    return None
+
+
+def _is_wide_input(region: Region, node) -> bool:
+    lay = rowlocal.layout_of(node.meta.get("val"), region.rows)
+    return lay is not None and lay.kind == ROW and not known_equal(lay.width, 1)
+
+
+def _keep_head(record, head: LmHead, why: str) -> None:
+    record.rejected.append(Candidate(source_of(head.logits), f"lm_head not fused: {why}"))
 
 
 def _input_spec(node, rows) -> InputSpec:
@@ -77,8 +115,10 @@ def _static_width(width):
     raise RegionRejected(f"the width {width} along the vocabulary is symbolic")
 
 
-def _build_program(region: Region, config):
-    """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram."""
+def _build_program(region: Region, config, head: LmHead | None = None):
+    """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram, or
+    with `head` a LinearHeadProgram whose op reads the hidden states where the region reads the
+    logits, and the weight and bias after the region's inputs."""
     graph = torch.fx.Graph()
     env, specs, input_nodes = {}, [], []
     for node in region.inputs:
@@ -107,10 +147,21 @@ def _build_program(region: Region, config):
         outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, keeps))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
+    options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
+                   index_checks=_index_checks(region, input_nodes))
+    if head is not None:
+        position = input_nodes.index(head.logits)
+        input_nodes[position] = head.hidden
+        input_nodes.append(head.weight)
+        if head.bias is not None:
+            input_nodes.append(head.bias)
+        spec = HeadSpec(position, len(specs), len(specs) + 1 if head.bias is not None else None,
+                        head.weight_transposed, head.hidden_size)
     try:
-        program = RegionProgram(module, specs, outputs, chunk_size=config.chunk_size,
-                                chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
-                                index_checks=_index_checks(region, input_nodes))
+        if head is None:
+            program = RegionProgram(module, specs, outputs, **options)
+        else:
+            program = LinearHeadProgram(module, specs, outputs, head=spec, **options)
     except Exception as e:  # noqa: BLE001 - a program whose joint does not trace is not rewritten
         raise RegionRejected(f"its per-chunk forward+backward does not trace: {type(e).__name__}: {e}") from None
     chunked_op.register(program)
@@ -167,7 +218,7 @@ def _size_node(graph, size, input_nodes):
     raise RegionRejected(f"cannot express output size {size} from the region's inputs")
 
 
-def _replace(graph, region: Region, program, input_nodes):
+def _replace(graph, region: Region, program, input_nodes, head: LmHead | None = None):
     inside = set(region.nodes)
     with graph.inserting_before(region.place.next):
         sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
@@ -187,18 +238,26 @@ def _replace(graph, region: Region, program, input_nodes):
             out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
     for node in reversed(region.nodes):
         graph.erase_node(node)
+    if head is not None:  # the logits' metadata checks, then the matmul; the weight's `t` is dead code
+        for node in reversed(head.nodes):
+            graph.erase_node(node)
 
 
-def _site_record(region: Region, program: RegionProgram, input_nodes) -> SiteRecord:
+def _site_record(region: Region, program: RegionProgram, input_nodes, head: LmHead | None = None) -> SiteRecord:
     from graphpass.analysis.recognize import label_output
 
     outputs = []
     for node, spec in zip(region.outputs, program.outputs):
         label = label_output(node)
         outputs.append(OutputRecord(label.kind, spec.keeps_grad, label.temperature))
-    wide = input_nodes[program.wide_input_positions[0]].meta["val"]
+    wide = (head.logits if head is not None else input_nodes[program.wide_input_positions[0]]).meta["val"]
     vocab = size_hint(wide.shape[-1])
     rows = size_hint(wide.numel()) // vocab if vocab else 0
+    itemsize = wide.dtype.itemsize
+    extra = {}
+    if head is not None:
+        extra = dict(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
+                     forward_workspace_bytes=program.workspace_bytes(rows, vocab, itemsize, backward=False))
     return SiteRecord(
         kind="+".join(o.kind for o in outputs),
         source=source_of(region.anchor),
@@ -208,6 +267,7 @@ def _site_record(region: Region, program: RegionProgram, input_nodes) -> SiteRec
         outputs=outputs,
         program_key=program.key,
         wide_inputs=len(program.wide_input_positions),
-        chunk_rows=program.rows_per_chunk(rows, vocab, wide.dtype.itemsize),
-        workspace_bytes=program.workspace_bytes(rows, vocab, wide.dtype.itemsize),
+        chunk_rows=program.rows_per_chunk(rows, vocab, itemsize),
+        workspace_bytes=program.workspace_bytes(rows, vocab, itemsize),
+        **extra,
     )

@@ -71,9 +71,13 @@ class RegionProgram:
     def _content_key(self) -> str:
         # Content-addressed, so a compiled graph cached on disk by another process can only
         # ever name the same program.
-        text = repr((self.graph_module.code, self.inputs, self.outputs,
-                     self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks))
+        text = repr(self._identity())
         return "r" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _identity(self) -> tuple:
+        """Everything that makes this program compute what it computes (its key hashes it)."""
+        return (self.graph_module.code, self.inputs, self.outputs,
+                self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks)
 
     @property
     def wide_input_positions(self) -> list[int]:
@@ -88,8 +92,8 @@ class RegionProgram:
         budget = max(self.chunk_budget_bytes, floor // 64)
         return max(1, min(rows, budget // (vocab * 4)))
 
-    def _chunk_rows(self, tensors, rows: int, vocab: int) -> int:
-        """Rows per chunk for these inputs; forward and backward chunk alike."""
+    def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
+        """Rows per chunk for these inputs; here forward and backward chunk alike."""
         return self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
 
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
@@ -171,10 +175,10 @@ class RegionProgram:
         outs += self.empty_saved(wide)
         if rows:
             kernel = self._get_forward_kernel()
-            chunk = self._chunk_rows(tensors, rows, vocab)
+            chunk = self._chunk_rows(tensors, rows, vocab, backward=False)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
-                    for out, value in zip(outs, kernel(*args)):
+                    for out, value in zip(outs, kernel(*self._kernel_args(tensors, args))):
                         out[sl] = value
         n = len(self.outputs)
         return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))] + outs[n:]
@@ -209,37 +213,72 @@ class RegionProgram:
         # its recompute (this is how an entropy returned only for logging costs nothing here).
         active = tuple(i for i, (spec, g) in enumerate(zip(self.outputs, grad_outputs))
                        if spec.keeps_grad and g is not None and bool(g.any()))
-        wanted = tuple(i for i, need in enumerate(needs_grad) if need)
+        wanted = self._kernel_wanted(needs_grad)
         grads = [None] * len(tensors)
         if not active or not wanted:
             return grads
         rows, vocab, blocks = self._layout(tensors)
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
-        # Per-row inputs get their gradient written in place, chunk by chunk, into one buffer of
-        # their dtype; a broadcast input's gradient is a sum over chunks, accumulated in fp32.
+        chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
+        # Per-row inputs get their gradient written in place, chunk by chunk (into one buffer of
+        # their dtype, see `_GradBuffer`); a broadcast input's gradient is a sum over chunks,
+        # accumulated in fp32.
         in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
         summed = [i for i in wanted if i not in in_place]
-        for i in in_place:
-            grads[i] = torch.empty(tensors[i].shape, dtype=tensors[i].dtype, device=tensors[i].device)
-        flat_in_place = [grads[i].view(rows, -1) for i in in_place]
+        sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
         totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape, dtype=torch.float32,
                               device=tensors[i].device) for i in summed]
         kernel = self._get_backward_kernel(active, wanted)
-        chunk = self._chunk_rows(tensors, rows, vocab)
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
-            chunk_sums = kernel(*args, *[s[sl] for s in saved], *[g[sl] for g in flat_grad_outputs],
-                                *[b[sl] for b in flat_in_place])
+            chunk_sums = kernel(*self._kernel_args(tensors, args), *[s[sl] for s in saved],
+                                *[g[sl] for g in flat_grad_outputs], *[sink.slot(sl) for sink in sinks])
+            for sink in sinks:
+                sink.take(sl, args)
             for total, g in zip(totals, chunk_sums):
                 total += g
+        for sink in sinks:
+            sink.finish(grads)
         for i, total in zip(summed, totals):
             grads[i] = total.reshape(tensors[i].shape).to(tensors[i].dtype)
         return grads
+
+    # ---- hooks: what a chunk's kernel reads and where its gradients go (`ops.lm_head`) ------
+    def _kernel_args(self, tensors, args):
+        """The kernel's arguments for one chunk, from the chunk's views of the op's inputs."""
+        return args
+
+    def _kernel_wanted(self, needs_grad) -> tuple[int, ...]:
+        """The kernel inputs whose gradient the backward kernel computes."""
+        return tuple(i for i, need in enumerate(needs_grad) if need)
+
+    def _gradient_sink(self, i, tensors, needs_grad, rows, vocab, chunk):
+        """Where the backward kernel writes kernel input `i`'s per-row gradient."""
+        return _GradBuffer(i, tensors[i], rows)
 
     def _get_backward_kernel(self, active, wanted):
         key = (active, wanted)
         if key not in self._backward_kernels:
             self._backward_kernels[key] = self._compile(self.split.backward(active, wanted))
         return self._backward_kernels[key]
+
+
+class _GradBuffer:
+    """An input's gradient, written in place chunk by chunk into one buffer of its dtype."""
+
+    def __init__(self, position, tensor, rows):
+        self.position = position
+        self.buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        self.flat = self.buffer.view(rows, -1)
+
+    def slot(self, sl):
+        """The kernel's out slice for the chunk's rows `sl`."""
+        return self.flat[sl]
+
+    def take(self, sl, args):
+        """After the kernel wrote the chunk's slot (nothing to do: it wrote the gradient itself)."""
+
+    def finish(self, grads):
+        grads[self.position] = self.buffer
 
 
 def _arg_spec(spec: InputSpec) -> ArgSpec:

@@ -1,0 +1,139 @@
+"""Whether a region's logits come from an lm_head matmul the chunked op can absorb.
+
+A region's wide input is often `hidden @ W.T` (`F.linear`, `matmul`/`mm` with `W.t()`, `addmm`
+with a bias) computed in the same graph. When the region is the logits' only reader, the op can
+take `hidden [*rows, H]`, `W` and the bias instead, compute each chunk's logits itself and never
+store `[rows, V]` (nor its gradient): `match_lm_head` says how, or why not.
+
+Read-only: nothing here changes the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from graphpass._torch_api import known_equal
+from graphpass.analysis import rowlocal
+
+aten = torch.ops.aten
+
+#: Readers that only check a value's metadata (pre-dispatch export puts one before `.to(dtype)`).
+METADATA_CHECKS = {aten._assert_tensor_metadata.default}
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+@dataclasses.dataclass
+class LmHead:
+    """`logits = hidden @ W.T (+ bias)` (or `hidden @ W` when `weight_transposed`), read only by a region."""
+
+    logits: torch.fx.Node
+    """The matmul's output: the region's wide input."""
+    hidden: torch.fx.Node
+    """`[*rows, H]`."""
+    weight: torch.fx.Node
+    """`[V, H]` (as `nn.Linear` and a tied embedding hold it), or `[H, V]` when `weight_transposed`."""
+    bias: torch.fx.Node | None
+    """`[V]`, or None."""
+    weight_transposed: bool
+    hidden_size: int
+    nodes: list
+    """The nodes the op replaces besides the region: the matmul and the metadata checks of its
+    output (the weight's transpose, a view, goes with dead-code elimination)."""
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _is_matrix_transpose(node) -> bool:
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES):
+        return False
+    val = _val(node.args[0])
+    if not isinstance(val, torch.Tensor) or val.ndim != 2:
+        return False
+    if node.target is aten.transpose.int:
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    if node.target is aten.permute.default:
+        return [d % 2 for d in node.args[1]] == [1, 0]
+    return True
+
+
+def _operands(node):
+    """(hidden, right operand [H, V], bias) of a matmul-like node, or None if it is not one."""
+    if node.op != "call_function":
+        return None
+    args = rowlocal.normalized_args(node)
+    if args is None:
+        return None
+    if node.target is aten.linear.default:
+        return args["input"], ("weight", args["weight"]), args.get("bias")
+    if node.target in (aten.matmul.default, aten.mm.default):
+        return args["self"], ("right", args["mat2" if node.target is aten.mm.default else "other"]), None
+    if node.target is aten.addmm.default:
+        if args.get("beta", 1) != 1 or args.get("alpha", 1) != 1:
+            return None
+        return args["mat1"], ("right", args["mat2"]), args["self"]
+    return None
+
+
+def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, str | None]:
+    """The lm_head that computes `logits` (a wide input of `region`), or (None, why not).
+
+    (None, None): `logits` is not computed by a matmul at all (nothing to say).
+    """
+    found = _operands(logits)
+    if found is None:
+        return None, None
+    hidden, (kind, right), bias = found
+    h_val, r_val, out_val = _val(hidden), _val(right), _val(logits)
+    if not all(isinstance(v, torch.Tensor) for v in (h_val, r_val, out_val)):
+        return None, "its operands are not tensors"
+    if kind == "weight":
+        weight, transposed = right, False
+    elif _is_matrix_transpose(right):
+        weight, transposed = right.args[0], False
+    else:
+        weight, transposed = right, True
+    w_val = _val(weight)
+    if w_val.ndim != 2 or h_val.ndim < 2 or out_val.ndim != h_val.ndim:
+        return None, f"the matmul of {tuple(h_val.shape)} and {tuple(r_val.shape)} is not hidden @ W.T"
+    vocab, hidden_size = (w_val.shape[1], w_val.shape[0]) if transposed else (w_val.shape[0], w_val.shape[1])
+    if not (isinstance(vocab, int) and isinstance(hidden_size, int)):
+        return None, "its vocabulary or hidden size is symbolic"
+    if not (known_equal(out_val.shape[-1], vocab) and known_equal(h_val.shape[-1], hidden_size)):
+        return None, "its weight does not map the hidden size to the vocabulary"
+    lay = rowlocal.layout_of(h_val, region.rows)
+    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != h_val.ndim - 1:
+        return None, "its hidden states are not laid out over the region's rows"
+    if bias is not None:
+        b_val = _val(bias)
+        if not isinstance(b_val, torch.Tensor) or b_val.ndim != 1 or not known_equal(b_val.shape[0], vocab):
+            return None, "its bias is not one value per vocabulary entry"
+        if b_val.dtype != out_val.dtype:
+            return None, "its bias has another dtype than the logits"
+    if not (h_val.dtype == w_val.dtype == out_val.dtype and out_val.dtype.is_floating_point):
+        return None, "its hidden states, weight and logits differ in dtype"
+    if len({h_val.device, w_val.device}) != 1:
+        return None, "its hidden states and weight are on different devices"
+    inside = set(region.nodes)
+    checks = []
+    for user in logits.users:
+        if user in inside:
+            continue
+        if user.op == "call_function" and user.target in METADATA_CHECKS:
+            checks.append(user)
+            continue
+        if user.op == "output":
+            return None, "its logits are also an output of the graph"
+        from graphpass.analysis.regions import source_of
+
+        return None, f"its logits are also read outside the region ({_name(user)} at {source_of(user)})"
+    if modes[logits] != modes[region.place]:
+        return None, "the matmul runs in another grad mode than the region"
+    return LmHead(logits, hidden, weight, bias, transposed, hidden_size, [logits, *checks]), None
+
+
+def _name(node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
