@@ -52,7 +52,7 @@ class Layout:
             _check_disjoint(self.group, tp_group)
         rows = _zigzag_rows(self.seq_lens, self.size) if kind == "zigzag" else \
             _contiguous_rows(sum(self.seq_lens), self.size, pad_multiple)
-        device = torch.device("cpu") if device is None else torch.device(device)
+        device = _default_device(self.group) if device is None else torch.device(device)
         if check and self.size > 1:
             self._check_same_on_every_rank(pad_multiple, device)
         self.all_rows = rows.to(device)
@@ -186,6 +186,13 @@ def _group(group):
     name = group_name(group)
     resolved, rank, size = rank_and_size(name)
     return resolved, name, rank, size
+
+
+def _default_device(group) -> torch.device:
+    """Where the tables live when the caller does not say: the current GPU for an NCCL group."""
+    if group is not None and torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check_disjoint(cp_group, tp_group) -> None:
