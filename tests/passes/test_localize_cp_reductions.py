@@ -87,7 +87,9 @@ def _mean_and_views(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, 
     per_column = scaled.mean(0)  # a mean over the rows of a [T, 2] value
     token_sum = (logp[:, None] * old_logp.unsqueeze(1)).sum(-1)  # a reduction over another dim stays row-wise
     scatter = seq_zeros.scatter_add(0, seq_ids, token_sum * mask)
-    return per_column.sum() + (logp * mask).mean() + scatter.sum() + (adv * logp).sum(dtype=torch.float64)
+    # Unmasked: padding rows (a zero logit row's log-prob is -log V, not 0) must be left out.
+    unmasked = logp.exp().sum() + seq_zeros.index_add(0, seq_ids, logp).square().sum()
+    return per_column.sum() + (logp * mask).mean() + scatter.sum() + (adv * logp).sum(dtype=torch.float64) + unmasked
 
 
 def test_means_views_column_reductions_and_scatter_add_reduce_locally():
@@ -95,7 +97,7 @@ def test_means_views_column_reductions_and_scatter_add_reduce_locally():
     record, compiled, eager = _run(_mean_and_views, layout, data)
     [cp_record] = record.cp
     assert cp_record.rewritten, cp_record
-    assert sorted(cp_record.reductions) == ["mean", "mean", "scatter_add", "sum"]
+    assert sorted(cp_record.reductions) == ["index_add", "mean", "mean", "scatter_add", "sum", "sum"]
     assert len(cp_record.collectives) == 1
     _assert_same(compiled, eager)
 
