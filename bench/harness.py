@@ -87,19 +87,21 @@ def _fork_server():
     return _server
 
 
-def run_isolated(spec: Spec, timeout_s: float, cold_compile: bool = False) -> dict:
+def run_isolated(spec: Spec, timeout_s: float, cold_compile: bool = False, measure_fn=None) -> dict:
     """Run `spec` in its own process; a timeout or crash becomes a result with that status.
 
     `cold_compile` gives the worker an empty inductor cache, so its first call compiles from scratch.
+    `measure_fn(spec) -> dict` (a module-level function) replaces `measure` for other specs
+    (`bench.lm_head`).
     """
     import tempfile
 
     base = dict(dataclasses.asdict(spec), floor_bytes=spec.floor_bytes)
-    base.pop("reference_cache")
+    base.pop("reference_cache", None)
     context = _fork_server()
     receive, send = context.Pipe(duplex=False)
     with tempfile.NamedTemporaryFile(prefix="bench_worker_", suffix=".log") as log:
-        worker = context.Process(target=_forked_worker, args=(spec, cold_compile, log.name, send))
+        worker = context.Process(target=_forked_worker, args=(spec, cold_compile, log.name, send, measure_fn))
         worker.start()
         send.close()
         try:
@@ -126,7 +128,7 @@ def _kill_group(worker) -> None:
     worker.join()
 
 
-def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send) -> None:
+def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send, measure_fn=None) -> None:
     """Worker body in a fresh fork: own session, output to `log_path`, result through `send`."""
     import tempfile
 
@@ -136,7 +138,7 @@ def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send) -> None:
         os.dup2(log.fileno(), 2)
     if cold_compile:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_inductor_")
-    send.send(_measure_or_error(spec))
+    send.send(_measure_or_error(spec, measure_fn or measure))
 
 
 def machine_description() -> str:
@@ -309,9 +311,9 @@ def measure(spec: Spec) -> dict:
     return result
 
 
-def _measure_or_error(spec: Spec) -> dict:
+def _measure_or_error(spec: Spec, measure_fn=None) -> dict:
     try:
-        return measure(spec)
+        return (measure_fn or measure)(spec)
     except Exception as exc:  # reported to the parent as a result, not a crash
         return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
 
