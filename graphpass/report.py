@@ -52,6 +52,18 @@ class CandidateReport:
 
 
 @dataclasses.dataclass
+class CpReport:
+    """What became of a graph's context-parallel `unshard`s."""
+
+    source: str
+    rewritten: bool
+    reason: str | None
+    reductions: list[str]
+    collectives: str
+    """What one call communicates for them, e.g. "all_reduce 40 B over 2 ranks"."""
+
+
+@dataclasses.dataclass
 class GraphReport:
     """One graph: its sites, its candidates, and its estimated (and measured) peak memory."""
 
@@ -72,6 +84,7 @@ class GraphReport:
     graph_before: str | None = None
     """Readable code of the captured ATen graph (CLI and explain only)."""
     graph_after: str | None = None
+    cp: list[CpReport] = dataclasses.field(default_factory=list)
 
     @property
     def bytes_saved(self) -> int:
@@ -145,7 +158,13 @@ def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, m
         floor_bytes=before.floor_bytes if before else 0, baseline_bytes=before.baseline_bytes if before else 0,
         fallback_reason=record.fallback_reason, passes_run=list(record.passes_run),
         measured_before=measured_before, measured_after=measured_after,
-        graph_before=graph_before, graph_after=graph_after)
+        graph_before=graph_before, graph_after=graph_after,
+        cp=[CpReport(c.source, c.rewritten, c.reason, list(c.reductions), _collectives_text(c.collectives))
+            for c in record.cp])
+
+
+def _collectives_text(collectives) -> str:
+    return ", ".join(f"{c.op} {human_bytes(c.bytes)} over {c.group_size} ranks" for c in collectives) or "none"
 
 
 # ---- rendering ------------------------------------------------------------------------------------
@@ -221,7 +240,16 @@ def render_table(graph: GraphReport) -> str:
              f"{human_bytes(graph.floor_bytes)}"]
     if graph.fallback_reason:
         notes.append(f"graph ran unchanged: {graph.fallback_reason}")
+    notes += [render_cp(c) for c in graph.cp]
     return text + "\n" + "\n".join(notes)
+
+
+def render_cp(c: CpReport) -> str:
+    """One line: how a graph's context-parallel `unshard`s communicate."""
+    if c.rewritten:
+        return (f"context parallel ({c.source}): reduced on local rows ({', '.join(c.reductions)}), "
+                f"per call: {c.collectives}")
+    return f"context parallel ({c.source}): unshard kept ({c.reason}), per call: {c.collectives}"
 
 
 def render_candidates(graph: GraphReport) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import re
 
 import torch
@@ -40,9 +41,14 @@ class Region:
 
 
 def source_of(node: torch.fx.Node) -> str:
-    """The user's `file.py:LINE` that produced `node`, from its stack trace."""
+    """The user's `file.py:LINE` that produced `node`, from its stack trace: the innermost frame
+    outside graphpass itself (`layout.unshard(y)`, not the line in graphpass/cp.py it calls)."""
     frames = stack_frames(node.meta.get("stack_trace") or "")
-    return frames[-1].where if frames else "<unknown>"
+    users = [f for f in frames if not f.path.startswith(_PACKAGE_DIR)] or frames
+    return users[-1].where if users else "<unknown>"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,7 @@ def test_rl_losses_reduce_locally_and_sum_once_per_dependency_level(name):
     assert cp_record.reductions == reductions
     assert [c.op for c in cp_record.collectives] == ["all_reduce"] * levels
     assert record.collectives == cp_record.collectives
+    assert cp_record.source.startswith("cp_losses.py:")  # the user's line, not graphpass/cp.py's
     targets = [n.target for n in record.graph_module.graph.nodes]
     assert torch.ops.graphpass.cp_unshard.default not in targets
     assert targets.count(torch.ops.graphpass.cp_sum_over_ranks.default) == levels
@@ -179,3 +180,16 @@ def test_a_new_batch_with_other_sequence_lengths_reuses_the_compiled_graph():
         torch.testing.assert_close(local.grad, eager_local.grad, rtol=1e-12, atol=1e-12)
     # The first call compiles with static sizes, the second dynamic; later batches reuse it.
     assert len(backend.records) == 2 and all(r.cp and r.cp[0].rewritten for r in backend.records)
+
+
+def test_the_report_says_how_the_unshards_communicate():
+    from graphpass.report import build_graph_report, render_table
+
+    layout, data = _inputs()
+    record, _, _ = _run(lambda lay, *a: cp_losses.cp_loss(cp_losses.opsm, lay, *a), layout, data)
+    text = render_table(build_graph_report(record, None))
+    line = [t for t in text.splitlines() if t.startswith("context parallel")]
+    assert line == [f"context parallel ({record.cp[0].source}): reduced on local rows (index_add, sum), per call: "
+                    "all_reduce 32 B over 1 ranks, all_reduce 8 B over 1 ranks"], text
+    kept, _, _ = _run(_cumsum, *_inputs())
+    assert "unshard kept (an unsharded value reaches cumsum" in render_table(build_graph_report(kept, None))
