@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 LOSSES = ("ppo_token_mean", "grpo_sample_mean", "gspo", "opsm")
+#: A loss that also returns every token's log-prob (for logging): its `unshard` must stay whole.
+LOGGED = "ppo_logged"
 
 
 def _clipped(ratio, adv, low=0.2, high=0.28):
@@ -60,9 +62,13 @@ def opsm(logp, old_logp, adv, mask, seq_ids, seq_zeros, delta=1e-4):
     return (pg * kept).sum() / mask.sum().clamp_min(1)
 
 
+def ppo_logged(logp, old_logp, adv, mask, seq_ids, seq_zeros):
+    return ppo_token_mean(logp, old_logp, adv, mask, seq_ids, seq_zeros), logp.detach()
+
+
 def loss_by_name(name: str):
     return {"ppo_token_mean": ppo_token_mean, "grpo_sample_mean": grpo_sample_mean, "gspo": gspo,
-            "opsm": opsm}[name]
+            "opsm": opsm, LOGGED: ppo_logged}[name]
 
 
 def token_logprobs(logits, targets):
@@ -91,25 +97,37 @@ def shifted_targets(tokens, seq_lens, ignore_index=-100):
     return out
 
 
-def rollout(seq_lens, vocab, *, prompt_fraction=0.25, dtype=torch.float64, seed=0, masked_sequences=()):
+def rollout(seq_lens, vocab, *, prompt_fraction=0.25, prompt_lens=None, dtype=torch.float64, seed=0,
+            masked_sequences=()):
     """Random whole-batch inputs: logits `[T, V]`, tokens, old log-probs, advantages (one per
     sequence), a response mask (the rows after each prompt, except the last), sequence ids and
-    `[num_sequences]` zeros. `masked_sequences`: sequences with no response token at all."""
+    `[num_sequences]` zeros. `masked_sequences`: sequences with no response token at all.
+    `prompt_lens`: each sequence's prompt tokens (default: `prompt_fraction` of it, at least 1).
+    `response`: the rows that predict a response token, masked or not (slime's response rows).
+    `vocab=None`: no logits, only per-token log-probs `logp`; `logp` is always the float64 truth."""
     g = torch.Generator().manual_seed(seed)
     total = sum(seq_lens)
-    logits = torch.randn(total, vocab, generator=g, dtype=torch.float64).to(dtype)
-    tokens = torch.randint(0, vocab, (total,), generator=g)
+    if vocab is None:  # per-token log-probs only (`logp`), no logits
+        logits, tokens = None, torch.zeros(total, dtype=torch.long)
+    else:
+        logits = torch.randn(total, vocab, generator=g, dtype=torch.float64).to(dtype)
+        tokens = torch.randint(0, vocab, (total,), generator=g)
     seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
     seq_adv = torch.randn(len(seq_lens), generator=g, dtype=torch.float64)
-    mask = torch.zeros(total, dtype=torch.float64)
+    response = torch.zeros(total, dtype=torch.bool)
     start = 0
     for i, n in enumerate(seq_lens):
-        prompt = int(n * prompt_fraction)
-        if i not in masked_sequences:
-            mask[start + prompt:start + n - 1] = 1
+        prompt = prompt_lens[i] if prompt_lens is not None else max(1, int(n * prompt_fraction))
+        response[start + prompt - 1:start + n - 1] = True
         start += n
+    mask = response.to(torch.float64)
+    for i in masked_sequences:
+        mask[seq_ids == i] = 0
     # Old log-probs near the new ones, as after a few optimiser steps.
-    logp = token_logprobs(logits.double(), shifted_targets(tokens, seq_lens))
+    if logits is None:
+        logp = -5 * torch.rand(total, generator=g, dtype=torch.float64)
+    else:
+        logp = token_logprobs(logits.double(), shifted_targets(tokens, seq_lens))
     old_logp = logp + 0.02 * torch.randn(total, generator=g, dtype=torch.float64)
-    return dict(logits=logits, tokens=tokens, old_logp=old_logp, adv=seq_adv[seq_ids], mask=mask, seq_ids=seq_ids,
-                seq_zeros=torch.zeros(len(seq_lens), dtype=torch.float64))
+    return dict(logits=logits, logp=logp, tokens=tokens, old_logp=old_logp, adv=seq_adv[seq_ids], mask=mask, seq_ids=seq_ids,
+                seq_zeros=torch.zeros(len(seq_lens), dtype=torch.float64), response=response)

@@ -141,6 +141,23 @@ def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send, measure_
     send.send(_measure_or_error(spec, measure_fn or measure))
 
 
+def provenance() -> dict:
+    """The commit measured and the files that differed from it (graphpass, passes, bench)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--", "graphpass", "passes", "bench")
+    return dict(commit=git("rev-parse", "HEAD"), uncommitted=status.splitlines() if status else [])
+
+
 def machine_description() -> str:
     """One line: CPU model, cores, RAM, torch version (and GPU when present)."""
     import torch

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import DTYPE_BYTES, machine_description
+from bench.harness import DTYPE_BYTES, machine_description, provenance
 
 CODES = ("megatron", "slime")
 METHODS = ("eager", "inductor", "graphpass")
@@ -531,21 +531,6 @@ def plan(args) -> list[TpSpec]:
     return specs
 
 
-def _provenance() -> dict:
-    """The commit measured and the files that differed from it (graphpass, passes, bench)."""
-    import subprocess
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--", "graphpass", "passes", "bench")
-    return dict(commit=git("rev-parse", "HEAD"), uncommitted=status.splitlines() if status else [])
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="T=2048 only, fewer steps")
@@ -559,7 +544,7 @@ def main(argv=None) -> int:
     args.methods = [m for m in METHODS if m in args.methods]
 
     specs = plan(args)
-    provenance = _provenance()
+    before = provenance()
     print(f"bench.tp: {len(specs)} configuration(s), TP={TP}, V={V} ({V // TP} per rank); {machine_description()}",
           flush=True)
     rows = []
@@ -587,11 +572,11 @@ def main(argv=None) -> int:
               f"({sum(e['passed'] for e in accepted)}/{len(accepted)} configurations)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # The working tree is imported afresh by every spawn of ranks: say if it changed during the run.
-    after = _provenance()
-    if after != provenance:
-        print(f"warning: the checkout changed during the run: {provenance} -> {after}")
-    provenance["changed_during_run"] = after != provenance
-    args.out.write_text(json.dumps(dict(machine=machine_description(), **provenance, tp=TP, V=V, quick=args.quick,
+    after = provenance()
+    if after != before:
+        print(f"warning: the checkout changed during the run: {before} -> {after}")
+    before["changed_during_run"] = after != before
+    args.out.write_text(json.dumps(dict(machine=machine_description(), **before, tp=TP, V=V, quick=args.quick,
                                         wall_s=time.monotonic() - started, results=rows, acceptance=accepted),
                                    indent=1, default=str) + "\n")
     print(f"\nwrote {args.out} ({time.monotonic() - started:.0f} s)")

@@ -26,7 +26,7 @@ import torch.distributed
 from graphpass.ops.cp import cp_shard, cp_shifted_targets, cp_unshard
 from graphpass.ops.groups import all_gather, group_name, rank_and_size
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "rows_per_rank"]
 
 KINDS = ("zigzag", "contiguous", "allgather")
 
@@ -50,8 +50,7 @@ class Layout:
             raise ValueError(f"graphpass.cp: pad_multiple must be a positive int, got {pad_multiple!r}")
         if tp_group is not None:
             _check_disjoint(self.group, tp_group)
-        rows = _zigzag_rows(self.seq_lens, self.size) if kind == "zigzag" else \
-            _contiguous_rows(sum(self.seq_lens), self.size, pad_multiple)
+        rows = _rows(kind, self.seq_lens, self.size, pad_multiple)
         device = _default_device(self.group) if device is None else torch.device(device)
         if check and self.size > 1:
             self._check_same_on_every_rank(pad_multiple, device)
@@ -166,6 +165,13 @@ class Layout:
                              f"{rows.shape[0]}; check seq_lens against the tensor")
 
 
+def rows_per_rank(kind: str, seq_lens, cp: int, pad_multiple: int = 1) -> int:
+    """T_local: the rows (padding included) each of `cp` ranks holds in layout `kind`; no group needed."""
+    if kind not in KINDS:
+        raise ValueError(f"graphpass.cp: unknown layout {kind!r}; use one of {', '.join(KINDS)}")
+    return int(_rows(kind, _check_seq_lens(seq_lens), cp, pad_multiple).shape[1])
+
+
 # ---- tables ------------------------------------------------------------------------------------------
 def _check_seq_lens(seq_lens) -> tuple[int, ...]:
     if isinstance(seq_lens, torch.Tensor):
@@ -206,6 +212,13 @@ def _check_disjoint(cp_group, tp_group) -> None:
         raise ValueError(f"graphpass.cp: the context-parallel group {sorted(cp_ranks)} and the tensor-parallel group "
                          f"{sorted(tp_ranks)} share ranks {sorted(shared)}; they must be different axes of the "
                          "device mesh (e.g. megatron-core's parallel_state groups)")
+
+
+def _rows(kind: str, seq_lens, size: int, pad_multiple: int) -> torch.Tensor:
+    """`[size, T_local]` global rows (-1 padding) of layout `kind`."""
+    if kind == "zigzag":
+        return _zigzag_rows(seq_lens, size)
+    return _contiguous_rows(sum(seq_lens), size, pad_multiple)
 
 
 def _zigzag_rows(seq_lens, size: int) -> torch.Tensor:
