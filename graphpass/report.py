@@ -39,6 +39,8 @@ class SiteReport:
     """Ranks the vocabulary is split across (1: not vocab-parallel)."""
     collectives: str = ""
     """What one call communicates, e.g. "all_gather 2.5 KiB" (bytes this rank contributes)."""
+    lm_head: bool = False
+    """The op computes the logits from the hidden states itself (`SiteRecord.lm_head`)."""
 
 
 @dataclasses.dataclass
@@ -147,7 +149,8 @@ def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, m
             source=site.source, kind=site.kind, shape=[str(s) if not isinstance(s, int) else s for s in site.shape],
             dtype=_dtype_name(site.dtype), chunk_size=_chunk_rows(site), chunk_auto=site.chunk_size is None,
             entropy_grad=_entropy_grad(site), bytes_saved=int(nbytes), temperature=temps[0] if temps else None,
-            tp_size=site.tp_size, collectives=", ".join(f"{c.op} {human_bytes(c.bytes)}" for c in site.collectives)))
+            tp_size=site.tp_size, collectives=", ".join(f"{c.op} {human_bytes(c.bytes)}" for c in site.collectives),
+            lm_head=site.lm_head))
     candidates = [CandidateReport(s.source, True, kind=s.kind) for s in record.sites]
     candidates += [CandidateReport(c.source, False, reason=c.reason) for c in record.rejected]
     before = estimate.before if estimate is not None else None
@@ -200,7 +203,11 @@ def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
     measured = graph.measured_before is not None or graph.measured_after is not None
     # Vocab-parallel columns only where a site is vocab-parallel (the logits shape is the slice).
     parallel = any(s.tp_size > 1 for s in graph.sites)
+    # An lm_head column only where a site computes its logits from the hidden states.
+    head = any(s.lm_head for s in graph.sites)
     headers = ["site", "computes", "logits", "chunk", "entropy grad"]
+    if head:
+        headers += ["lm_head"]
     if parallel:
         headers += ["tp", "collectives per call"]
     headers += ["est. before", "est. after", "est. saved", "saved %"]
@@ -211,6 +218,8 @@ def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
     for s in graph.sites:
         # Before/after are whole-graph peaks: only a graph's single site owns them.
         row = [s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad]
+        if head:
+            row += ["fused (never stored)" if s.lm_head else "-"]
         if parallel:
             row += [str(s.tp_size), s.collectives or "none"]
         row += [human_bytes(graph.peak_before) if single else "", human_bytes(graph.peak_after) if single else "",
@@ -219,7 +228,7 @@ def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
             row += ["", "", ""]
         rows.append(row)
     total = [f"total (graph {graph.index}, {len(graph.sites)} site{'s' if len(graph.sites) != 1 else ''})",
-             "", "", "", ""] + (["", ""] if parallel else []) + [
+             "", "", "", ""] + ([""] if head else []) + (["", ""] if parallel else []) + [
              human_bytes(graph.peak_before), human_bytes(graph.peak_after),
              human_bytes(graph.bytes_saved), _pct(graph.bytes_saved, graph.peak_before)]
     if measured:
@@ -238,6 +247,9 @@ def render_table(graph: GraphReport) -> str:
     text = tabulate(rows, headers=headers, tablefmt="simple")
     notes = [f"peak bytes of one forward+backward above the inputs; floor (input grads) = "
              f"{human_bytes(graph.floor_bytes)}"]
+    if any(s.lm_head for s in graph.sites):
+        notes.append("lm_head fused: the op computes the logits chunk by chunk from the hidden states; "
+                     "the floor is their gradient and the weight's")
     if graph.fallback_reason:
         notes.append(f"graph ran unchanged: {graph.fallback_reason}")
     notes += [render_cp(c) for c in graph.cp]

@@ -43,6 +43,7 @@ class RegionRejected(Exception):
 
 def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Rewrite every row-local region of `gm` into a chunked op; fill `record.sites/rejected`."""
+    _split_reduced_losses(gm.graph)
     regions, rejected = find_regions(gm)
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
@@ -70,6 +71,55 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     # An output may be used before the region's last node; move such users after the op.
     stable_topological_sort(gm.graph)
     return gm
+
+
+_REDUCED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+_MEAN, _SUM = 1, 2  # torch's Reduction enum
+
+
+def _split_reduced_losses(graph: torch.fx.Graph) -> None:
+    """`cross_entropy(x, t)` (reduction 'mean' or 'sum', the default) becomes its per-token form
+    and the reduction: `sum(ce(x, t, reduction='none')) / count(t != ignore_index)`, so the
+    per-token loss is a row-local region like any other. Exactly what the reduced loss computes
+    when it has no class weights and no label smoothing (otherwise it stays as written); a
+    low-precision loss sums in fp32 and rounds once, as the reduced kernels do."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _REDUCED_LOSSES:
+            continue
+        args = rowlocal.normalized_args(node)
+        logits, target = args["self"], args["target"]
+        val, target_val = node.meta.get("val"), target.meta.get("val") if isinstance(target, torch.fx.Node) else None
+        if (args["reduction"] not in (_MEAN, _SUM) or args.get("weight") is not None
+                or args.get("label_smoothing", 0.0) != 0.0 or not isinstance(val, torch.Tensor)
+                or not isinstance(target_val, torch.Tensor) or target_val.is_floating_point()
+                or target_val.ndim < 1 or not isinstance(args["ignore_index"], int)):
+            continue
+        fake_mode = detect_fake_mode([val])
+        new = []
+
+        def call(target_op, *op_args, **kwargs):
+            out = graph.call_function(target_op, op_args, kwargs)
+            with fake_mode:
+                out.meta["val"] = target_op(*torch.fx.node.map_arg(op_args, lambda n: n.meta["val"]),
+                                            **torch.fx.node.map_arg(kwargs, lambda n: n.meta["val"]))
+            for key in ("stack_trace", "graphpass.grad_flows"):
+                if key in node.meta:
+                    out.meta[key] = node.meta[key]
+            new.append(out)
+            return out
+
+        with graph.inserting_before(node):
+            kw = {k: args[k] for k in ("weight", "ignore_index", "label_smoothing") if k in args}
+            per_token = call(node.target, logits, target, kw.pop("weight"), 0, *kw.values())
+            low = val.dtype in (torch.bfloat16, torch.float16)
+            total = call(aten.sum.default, per_token, dtype=torch.float32) if low else call(aten.sum.default, per_token)
+            if args["reduction"] == _MEAN:
+                count = call(aten.sum.default, call(aten.ne.Scalar, target, args["ignore_index"]))
+                total = call(aten.div.Tensor, total, count)
+            if low:
+                total = call(aten._to_copy.default, total, dtype=val.dtype)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
 
 
 def _lm_head(region: Region, modes, record) -> LmHead | None:
@@ -267,7 +317,8 @@ def _site_record(region: Region, program: RegionProgram, input_nodes, head: LmHe
         outputs=outputs,
         program_key=program.key,
         wide_inputs=len(program.wide_input_positions),
-        chunk_rows=program.rows_per_chunk(rows, vocab, itemsize),
+        chunk_rows=(program.block_rows(rows, vocab, itemsize) if head is not None
+                    else program.rows_per_chunk(rows, vocab, itemsize)),
         workspace_bytes=program.workspace_bytes(rows, vocab, itemsize),
         **extra,
     )

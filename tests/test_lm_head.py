@@ -214,7 +214,7 @@ def test_default_chunking_matches():
     tensors = _batch(200, hidden_size=16, vocab=129)
     backend = graphpass.Backend(inner="aot_eager", chunk_budget_bytes=40_000)
     site, _ = _site(_parity(ppo_from_hidden, tensors, backend))
-    assert site.lm_head and 1 < site.chunk_rows < 200
+    assert site.lm_head and 4 < site.chunk_rows < 200
 
 
 # ---- must not match: the logits have another reader -------------------------------------------------
@@ -266,3 +266,42 @@ def test_program_hooks_keep_the_base_loop():
     """One chunk loop: the lm_head program overrides hooks, never the loop."""
     for name in ("forward", "backward", "_chunks"):
         assert name not in vars(lm_head_op.LinearHeadProgram), name
+
+
+# ---- cross-entropy (reduction 'mean', the default) from hidden states ---------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_mean_from_hidden(dtype):
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        return F.cross_entropy(F.linear(hidden, weight).float(), tokens)
+
+    tensors = _batch(T, dtype=dtype)
+    tensors[2][3] = -100  # an ignored position
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    site, _ = _site(_parity(fn, tensors, backend, atol=tol, rtol=tol))
+    assert site.lm_head and site.kind == "-logprob"
+
+
+def test_memory_model_counts_the_head_gradients():
+    """The estimate after the rewrite: the floor is hidden.grad + W.grad, and no [T, V] value."""
+    from graphpass.memory import estimate_rewrite
+    from graphpass.pipeline import rewrite_graph
+    from graphpass.config import Config
+    from graphpass.records import GraphRecord
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rows, hidden_size, vocab = 512, 64, 4096
+    with FakeTensorMode():
+        tensors = _batch(rows, hidden_size=hidden_size, vocab=vocab)
+    record = GraphRecord(0)
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        return (ppo_from_hidden(hidden, weight, tokens, old_logp, adv, mask),)
+
+    result = rewrite_graph(torch.fx.symbolic_trace(fn), tensors, Config(chunk_budget_bytes=4096), record)
+    (site,) = record.sites
+    assert site.lm_head
+    est = estimate_rewrite(result)
+    floor = (rows + vocab) * hidden_size * 4
+    assert est.after.floor_bytes == floor == est.before.floor_bytes
+    assert est.after.peak_bytes < 1.3 * floor < est.before.peak_bytes

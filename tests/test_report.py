@@ -157,3 +157,18 @@ def test_explain_returns_the_report_the_cli_renders():
     x = torch.randn(32, 64, requires_grad=True)
     plain = graphpass.explain(lambda a: (a * a).sum(), x)
     assert plain.sites == [] and plain.graphs[0].bytes_saved == 0
+
+
+def test_lm_head_sites_say_the_logits_are_never_stored():
+    head = SiteRecord(kind="logprob+entropy", source="model.py:40", shape=(2048, 32768), dtype=torch.float32,
+                      chunk_size=None, outputs=[OutputRecord("logprob", True)], lm_head=True,
+                      hidden_shape=(2048, 1024))
+    record = GraphRecord(index=0, sites=[head, site()])
+    est = MemoryEstimate(before=peak(900 * MiB), after=peak(300 * MiB), site_bytes_saved=[300 * MiB, 300 * MiB])
+    g = report.build_graph_report(record, est)
+    headers, rows = report.table_rows(g)
+    assert headers[5] == "lm_head" and rows[0][5] == "fused (never stored)" and rows[1][5] == "-"
+    assert len(rows[-1]) == len(headers)
+    assert "lm_head fused" in report.render_table(g)
+    assert json.loads(report.to_json(g))["sites"][0]["lm_head"] is True
+    assert "lm_head" not in report.table_rows(one_site_graph())[0]  # no column without such a site

@@ -178,7 +178,7 @@ class RegionProgram:
             chunk = self._chunk_rows(tensors, rows, vocab, backward=False)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
-                    for out, value in zip(outs, kernel(*self._kernel_args(tensors, args))):
+                    for out, value in zip(outs, kernel(*self._kernel_args(tensors, args, sl))):
                         out[sl] = value
         n = len(self.outputs)
         return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))] + outs[n:]
@@ -230,7 +230,7 @@ class RegionProgram:
                               device=tensors[i].device) for i in summed]
         kernel = self._get_backward_kernel(active, wanted)
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
-            chunk_sums = kernel(*self._kernel_args(tensors, args), *[s[sl] for s in saved],
+            chunk_sums = kernel(*self._kernel_args(tensors, args, sl, sinks), *[s[sl] for s in saved],
                                 *[g[sl] for g in flat_grad_outputs], *[sink.slot(sl) for sink in sinks])
             for sink in sinks:
                 sink.take(sl, args)
@@ -243,8 +243,9 @@ class RegionProgram:
         return grads
 
     # ---- hooks: what a chunk's kernel reads and where its gradients go (`ops.lm_head`) ------
-    def _kernel_args(self, tensors, args):
-        """The kernel's arguments for one chunk, from the chunk's views of the op's inputs."""
+    def _kernel_args(self, tensors, args, sl, sinks=()):
+        """The kernel's arguments for the chunk of rows `sl`, from the chunk's views of the op's
+        inputs (`sinks`: the backward's gradient sinks, none in forward)."""
         return args
 
     def _kernel_wanted(self, needs_grad) -> tuple[int, ...]:

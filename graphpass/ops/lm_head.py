@@ -52,36 +52,52 @@ class LinearHeadProgram(RegionProgram):
         return (*super()._identity(), self.head)
 
     # ---- sizes -------------------------------------------------------------------------
+    # The backward multiplies blocks of rows (its GEMMs are faster for more rows) and runs the
+    # region's kernel on quarter blocks: the kernel writes a quarter block's dlogits into a scratch
+    # buffer, copied back over the logits it has just read, so one block plus a quarter is alive.
+    SUB_CHUNKS = 4
+
     def floor_bytes(self, rows: int, vocab: int, itemsize: int) -> int:
         """Bytes of the gradients the backward must produce: hidden's and the weight's."""
         return (rows + vocab) * self.head.hidden_size * itemsize
 
-    def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
-        """The configured size, else what keeps one chunk's temporaries within a share of the floor:
-        a sixth in backward (two `[chunk, V]` buffers on top of the gradients), a quarter in forward
-        (one buffer, no gradient exists yet). Larger chunks make faster matmuls."""
+    def block_rows(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
+        """Rows per matmul: the configured chunk size, else what keeps the temporaries within a
+        share of the floor: a fifth in backward (a block and a quarter of `[rows, V]`, on top of
+        the gradients), half in forward (one block, before any gradient exists)."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
         floor = self.floor_bytes(rows, vocab, grad_itemsize)
-        budget = max(self.chunk_budget_bytes, floor // (6 if backward else 4))
-        per_row = vocab * ((8 if backward else 4) + 4 * _TEMPORARIES_PER_CHUNK[self.inner])
-        chunk = max(1, min(rows, budget // per_row))
-        return chunk - chunk % 32 if chunk >= 64 else chunk  # whole GEMM panels
+        budget = max(self.chunk_budget_bytes, floor // (5 if backward else 2))
+        per_row = vocab * self._bytes_per_row(grad_itemsize, backward)
+        block = max(1, min(rows, int(budget // per_row)))
+        return block - block % 32 if block >= 64 else block  # whole GEMM panels
+
+    def _bytes_per_row(self, itemsize: int, backward: bool) -> float:
+        """Temporary bytes per row of a block, per vocabulary entry."""
+        kernel = 4 * _TEMPORARIES_PER_CHUNK[self.inner] / (self.SUB_CHUNKS if backward else 1)
+        if not backward:
+            return itemsize + kernel
+        upcast = 4 if itemsize != 4 else 0  # the block's fp32 copy for the weight's gradient
+        return itemsize * (1 + 1 / self.SUB_CHUNKS) + upcast + kernel
+
+    def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
+        """Rows per call of the region's kernel: a block in forward, a quarter block in backward."""
+        block = self.block_rows(rows, vocab, grad_itemsize, backward)
+        return max(1, -(-block // self.SUB_CHUNKS)) if backward else block
 
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         return self.rows_per_chunk(rows, vocab, tensors[self.head.weight].element_size(), backward)
 
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Transient bytes while the op runs, beyond its inputs, outputs and the gradients it returns:
-        in backward the recomputed logits, their gradient (and its fp32 copy for a bf16 weight) and,
-        for a weight that is not fp32, its fp32 accumulator; in forward the chunk's logits."""
-        chunk = self.rows_per_chunk(rows, vocab, grad_itemsize, backward)
-        temporaries = _TEMPORARIES_PER_CHUNK[self.inner] * chunk * vocab * 4
-        if not backward:
-            return temporaries + chunk * vocab * grad_itemsize
-        upcast = 4 if grad_itemsize != 4 else 0
-        accumulator = vocab * self.head.hidden_size * 4 if grad_itemsize != 4 else 0
-        return temporaries + chunk * vocab * (2 * grad_itemsize + upcast) + accumulator
+        the block's logits (in backward also the kernel's scratch, a bf16 block's fp32 copy and, for
+        a weight that is not fp32, the weight's fp32 accumulator)."""
+        block = self.block_rows(rows, vocab, grad_itemsize, backward)
+        total = int(block * vocab * self._bytes_per_row(grad_itemsize, backward))
+        if backward and grad_itemsize != 4:
+            total += vocab * self.head.hidden_size * 4
+        return total
 
     # ---- layout ------------------------------------------------------------------------
     def _layout(self, tensors):
@@ -104,9 +120,13 @@ class LinearHeadProgram(RegionProgram):
             return torch.mm(hidden_chunk, right)
         return torch.addmm(tensors[head.bias], hidden_chunk, right)
 
-    def _kernel_args(self, tensors, args):
+    def _kernel_args(self, tensors, args, sl, sinks=()):
         args = list(args)
-        args[self.head.position] = self._logits(tensors, args[self.head.position])
+        head_sinks = [sink for sink in sinks if isinstance(sink, _HeadGradients)]
+        if head_sinks:  # backward: a view of the recomputed block
+            args[self.head.position] = head_sinks[0].logits(sl)
+        else:
+            args[self.head.position] = self._logits(tensors, args[self.head.position])
         return args
 
     def _kernel_wanted(self, needs_grad) -> tuple[int, ...]:
@@ -120,18 +140,27 @@ class LinearHeadProgram(RegionProgram):
     def _gradient_sink(self, i, tensors, needs_grad, rows, vocab, chunk):
         if i != self.head.position:
             return super()._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk)
-        return _HeadGradients(self.head, tensors, needs_grad, rows, vocab, chunk)
+        block = self.block_rows(rows, vocab, tensors[self.head.weight].element_size())
+        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block)
 
 
 class _HeadGradients:
-    """The head's gradients: the kernel writes each chunk's `dlogits` into a scratch buffer, from
-    which the hidden states' rows are written and the weight's (and bias's) gradient accumulated."""
+    """The head's gradients, block by block. For each block of rows: its logits, recomputed;
+    the kernel's chunks within it, each writing its dlogits into a scratch buffer that is copied
+    back over the chunk's (consumed) logits; then, with the block's dlogits complete,
+    `dhidden[block] = dlogits @ W` in place and `dW += dlogits.T @ hidden[block]`,
+    `db += dlogits.sum(0)` into fp32 accumulators."""
 
-    def __init__(self, head: HeadSpec, tensors, needs_grad, rows, vocab, chunk):
-        self.head = head
+    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block):
+        head = self.head = program.head
+        self.program, self.tensors = program, tensors
         hidden, weight = tensors[head.position], tensors[head.weight]
         self.weight = weight
         self.bias = tensors[head.bias] if head.bias is not None else None
+        self.hidden = hidden.reshape(rows, hidden.shape[-1])
+        self.rows, self.block = rows, max(1, block // chunk) * chunk  # whole chunks: none crosses a block
+        self.start = self.stop = 0  # rows of the block whose logits are in `self.values`
+        self.values = None
         self.scratch = torch.empty(min(chunk, rows), vocab, dtype=hidden.dtype, device=hidden.device)
         self.hidden_grad = self.weight_acc = self.bias_acc = None
         if needs_grad[head.position]:
@@ -142,27 +171,47 @@ class _HeadGradients:
         if head.bias is not None and needs_grad[head.bias]:
             self.bias_acc = torch.zeros(self.bias.shape, dtype=torch.float32, device=weight.device)
 
+    def logits(self, sl):
+        """The logits of the chunk of rows `sl`: a view of its block's, recomputed on entering it."""
+        if not self.start <= sl.start < self.stop:
+            self._flush()
+            self.start, self.stop = sl.start, min(self.rows, sl.start + self.block)
+            self.values = None  # freed before the next block is allocated
+            self.values = self.program._logits(self.tensors, self.hidden[self.start:self.stop])
+        if sl.stop > self.stop:
+            raise RuntimeError("graphpass: an lm_head chunk crosses its block")  # chunks divide blocks
+        return self.values[sl.start - self.start:sl.stop - self.start]
+
     def slot(self, sl):
         return self.scratch[:sl.stop - sl.start]
 
     def take(self, sl, args):
-        dlogits = self.scratch[:sl.stop - sl.start]
-        hidden_chunk = args[self.head.position]
+        # The chunk's logits are read; its dlogits take their place in the block.
+        self.values[sl.start - self.start:sl.stop - self.start].copy_(self.scratch[:sl.stop - sl.start])
+
+    def _flush(self):
+        """The block's dlogits are complete: its share of every gradient."""
+        if self.values is None:
+            return
+        dlogits, rows = self.values, slice(self.start, self.stop)
+        hidden_block = self.hidden[rows]
         transposed = self.head.weight_transposed
         if self.hidden_grad is not None:
-            # [chunk, V] @ [V, H], straight into the chunk's rows of the gradient.
-            torch.mm(dlogits, self.weight.t() if transposed else self.weight, out=self.hidden_flat[sl])
+            # [block, V] @ [V, H], straight into the block's rows of the gradient.
+            torch.mm(dlogits, self.weight.t() if transposed else self.weight, out=self.hidden_flat[rows])
         if self.weight_acc is not None or self.bias_acc is not None:
-            wide = dlogits.float()  # the same tensor for fp32; a chunk-sized copy for bf16
+            wide = dlogits.float()  # the same tensor for fp32; a block-sized copy for bf16
             if self.weight_acc is not None:
-                if transposed:  # dW [H, V] += h_c.T @ dlogits_c
-                    self.weight_acc.addmm_(hidden_chunk.t().float(), wide)
-                else:  # dW [V, H] += dlogits_c.T @ h_c
-                    self.weight_acc.addmm_(wide.t(), hidden_chunk.float())
+                if transposed:  # dW [H, V] += h.T @ dlogits
+                    self.weight_acc.addmm_(hidden_block.t().float(), wide)
+                else:  # dW [V, H] += dlogits.T @ h
+                    self.weight_acc.addmm_(wide.t(), hidden_block.float())
             if self.bias_acc is not None:
                 self.bias_acc += wide.sum(0)
+        self.values = None
 
     def finish(self, grads):
+        self._flush()
         head = self.head
         if self.hidden_grad is not None:
             grads[head.position] = self.hidden_grad

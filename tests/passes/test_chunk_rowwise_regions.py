@@ -72,3 +72,43 @@ def test_softmax_across_rows_is_not_rewritten():
     gm, _, record = rewritten(over_rows, logits, tokens)
     assert chunked_nodes(gm) == [] and record.sites == []
     assert gm.code == gm.code_before
+
+
+def test_reduced_cross_entropy_becomes_per_token_plus_its_reduction():
+    import torch.nn.functional as F
+
+    logits, tokens = inputs()
+    tokens = tokens.clone()
+    tokens[2] = -100  # ignored: out of the mean's count, as in torch
+
+    for kwargs, rewrites in (({}, True), ({"reduction": "sum"}, True), ({"ignore_index": 3}, True),
+                             ({"label_smoothing": 0.1}, False)):
+        t = tokens if "ignore_index" not in kwargs else tokens.clamp(min=0)
+
+        def fn(logits, t):
+            return (F.cross_entropy(logits.float() / 0.7, t, **kwargs),)
+
+        gm, _, record = rewritten(fn, logits, t)
+        assert (len(chunked_nodes(gm)) == 1) == rewrites, (kwargs, gm.code)
+        (loss,) = gm(logits, t)
+        (ref,) = fn(logits, t)
+        torch.testing.assert_close(loss, ref)
+        (grad,) = torch.autograd.grad(loss, logits)
+        (ref_grad,) = torch.autograd.grad(ref, logits)
+        torch.testing.assert_close(grad, ref_grad)
+
+    def plain(logits, t):
+        return (F.cross_entropy(logits, t),)
+
+    ignored = torch.full_like(tokens, -100)  # nothing to average: nan, as in torch
+    gm, _, _ = rewritten(plain, logits, ignored)
+    assert len(chunked_nodes(gm)) == 1
+    assert torch.isnan(gm(logits, ignored)[0]) and torch.isnan(plain(logits, ignored)[0])
+
+    def class_weights(logits, t, w):  # a weighted mean: not split, stays as written
+        return (F.cross_entropy(logits, t, weight=w),)
+
+    w = torch.rand(V) + 0.5
+    gm, _, record = rewritten(class_weights, logits, tokens, w)
+    assert chunked_nodes(gm) == [] and "cross_entropy_loss" in gm.code
+    torch.testing.assert_close(gm(logits, tokens, w)[0], class_weights(logits, tokens, w)[0])
