@@ -167,9 +167,11 @@ class _HeadGradients:
             self.hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
             self.hidden_flat = self.hidden_grad.view(rows, hidden.shape[-1])
         if needs_grad[head.weight]:
-            self.weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            # Written by the first block's product, accumulated into by the others.
+            self.weight_acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         if head.bias is not None and needs_grad[head.bias]:
             self.bias_acc = torch.zeros(self.bias.shape, dtype=torch.float32, device=weight.device)
+        self.first_block = True
 
     def logits(self, sl):
         """The logits of the chunk of rows `sl`: a view of its block's, recomputed on entering it."""
@@ -202,16 +204,21 @@ class _HeadGradients:
         if self.weight_acc is not None or self.bias_acc is not None:
             wide = dlogits.float()  # the same tensor for fp32; a block-sized copy for bf16
             if self.weight_acc is not None:
-                if transposed:  # dW [H, V] += h.T @ dlogits
-                    self.weight_acc.addmm_(hidden_block.t().float(), wide)
-                else:  # dW [V, H] += dlogits.T @ h
-                    self.weight_acc.addmm_(wide.t(), hidden_block.float())
+                # dW [V, H] += dlogits.T @ h, or for an [H, V] weight dW += h.T @ dlogits
+                left, right = (hidden_block.t().float(), wide) if transposed else (wide.t(), hidden_block.float())
+                if self.first_block:
+                    torch.mm(left, right, out=self.weight_acc)
+                else:
+                    self.weight_acc.addmm_(left, right)
             if self.bias_acc is not None:
                 self.bias_acc += wide.sum(0)
+        self.first_block = False
         self.values = None
 
     def finish(self, grads):
         self._flush()
+        if self.first_block and self.weight_acc is not None:  # no rows at all: nothing was written
+            self.weight_acc.zero_()
         head = self.head
         if self.hidden_grad is not None:
             grads[head.position] = self.hidden_grad
