@@ -305,3 +305,17 @@ def test_memory_model_counts_the_head_gradients():
     floor = (rows + vocab) * hidden_size * 4
     assert est.after.floor_bytes == floor == est.before.floor_bytes
     assert est.after.peak_bytes < 1.3 * floor < est.before.peak_bytes
+
+
+def test_dynamic_token_count_reuses_the_graph():
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    fn = torch.compile(ppo_from_hidden, backend=backend)  # a new T recompiles once, T symbolic
+    for rows in (9, 14, 21):
+        tensors = _batch(rows)
+        ref_tensors = _clone(tensors)
+        fn(*tensors).backward()
+        ppo_from_hidden(*ref_tensors).backward()
+        for mine, theirs in zip(tensors[:2], ref_tensors[:2]):
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+    assert len(backend.records) == 2 and all(r.sites[0].lm_head for r in backend.records)
+    assert not isinstance(backend.records[1].sites[0].shape[0], int)  # the rows are symbolic
