@@ -9,6 +9,9 @@ After::
 
     shifted = aten.div.Tensor(aten.slice.Tensor(logits, 1, 0, -1), 0.7)
 
+The same for a row-wise matmul (an lm_head): `linear(hidden, W)[:, :-1]` becomes
+`linear(hidden[:, :-1], W)`, so the region reaches the matmul and the op can absorb it.
+
 The slice of an input is a view, so the region that reads `shifted` now reaches the logits
 themselves and scales each chunk on the fly: the `[B, S, V]` scaled copy is gone. Values are
 unchanged (an elementwise op commutes with slicing). An op moves only when every reader picks
@@ -43,6 +46,9 @@ def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, re
                     and not derives_from_reduction(node)):  # per-token math stays as written
                 _sink(gm.graph, node)
                 changed = True
+            elif _is_row_matmul(node) and node.users and all(_picks_rows(u, node) for u in node.users):
+                _sink(gm.graph, node, operands=1)  # only the hidden states are read alike
+                changed = True
     gm.graph.eliminate_dead_code()
     return gm
 
@@ -65,12 +71,15 @@ def _movable(user, source) -> bool:
         for a in source.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
 
 
-def _sink(graph: torch.fx.Graph, source: torch.fx.Node) -> None:
-    """Replace each reader of `source` by `source`'s op applied to its operands read alike."""
+def _sink(graph: torch.fx.Graph, source: torch.fx.Node, operands: int | None = None) -> None:
+    """Replace each reader of `source` by `source`'s op applied to its operands read alike (the
+    first `operands` of them; the rest as they are)."""
     fake_mode = detect_fake_mode([source.meta["val"]])
     for user in list(source.users):
         with graph.inserting_before(user):
-            args = [_read_alike(graph, a, user, source, fake_mode) for a in source.args]
+            count = len(source.args) if operands is None else operands
+            args = [_read_alike(graph, a, user, source, fake_mode) if i < count else a
+                    for i, a in enumerate(source.args)]
             moved = graph.call_function(source.target, tuple(args), dict(source.kwargs))
         moved.meta.update(source.meta)
         moved.meta["val"] = user.meta["val"]
@@ -116,6 +125,33 @@ def _split_as_slices(graph, split) -> None:
         item.replace_all_uses_with(piece)
         graph.erase_node(item)
     graph.erase_node(split)
+
+
+def _is_row_matmul(node) -> bool:
+    """`linear(h, W[, b])` or `matmul(h, W)` with a 2-D `W` (an lm_head): each output row is the
+    same row of `h` times `W`, so picking rows of the output is the product of the picked rows."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _ROW_MATMULS:
+        return False
+    out, h = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    others = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
+    weight = others[0] if others else None
+    return (isinstance(out, torch.Tensor) and isinstance(h, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and out.ndim == h.ndim >= 2 and weight.ndim == 2 and not node.kwargs
+            and all(o is None or (isinstance(o, torch.Tensor) and o.ndim == 1) for o in others[1:]))
+
+
+_ROW_MATMULS = {aten.linear.default, aten.matmul.default}
+
+
+def _picks_rows(user, source) -> bool:
+    """A slice or select of `source` along a dim other than its last (the matmul's columns)."""
+    if user.op != "call_function" or user.target not in _PICKS or user.args[0] is not source:
+        return False
+    ndim = source.meta["val"].ndim
+    dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+    # A size-1 dim would be read as a broadcast (not picked) by `_read_alike`: leave it.
+    return (isinstance(dim, int) and dim % ndim != ndim - 1 and not user.kwargs
+            and not same_size(source.meta["val"].shape[dim], 1))
 
 
 def _is_elementwise(node) -> bool:

@@ -319,3 +319,17 @@ def test_dynamic_token_count_reuses_the_graph():
             torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)
     assert len(backend.records) == 2 and all(r.sites[0].lm_head for r in backend.records)
     assert not isinstance(backend.records[1].sites[0].shape[0], int)  # the rows are symbolic
+
+
+def test_shifted_logits_of_a_batch_reach_the_head():
+    """`lm_head(hidden)[:, :-1]` (the logits of the next tokens): the slice moves onto the hidden
+    states, and the op absorbs the matmul."""
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logits = F.linear(hidden, weight)[:, :-1]
+        logp = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    site, record = _site(_parity(fn, _batch(3, 6), backend))
+    assert site.lm_head and site.hidden_shape == (3, 5, H)
+    assert "linear" not in record.graph_module.code

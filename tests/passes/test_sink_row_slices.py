@@ -90,3 +90,33 @@ def test_reshape_of_a_strided_slice_stays_put():
     gm = sunk(fn, logits)
     for a, b in zip(gm(logits), fn(logits)):
         torch.testing.assert_close(a, b)
+
+
+def test_row_slice_of_an_lm_head_moves_onto_the_hidden_states():
+    import torch.nn.functional as F
+
+    def fn(hidden, weight, bias):
+        return (F.linear(hidden, weight, bias)[:, :-1], (hidden @ weight.t())[:, -1])
+
+    hidden, weight, bias = torch.randn(2, 5, 3), torch.randn(7, 3), torch.randn(7)
+    gm = sunk(fn, hidden, weight, bias)
+    matmuls = [n for n in gm.graph.nodes if n.target in (aten.linear.default, aten.matmul.default)]
+    assert len(matmuls) == 2
+    for n in matmuls:  # each reads picked rows of the hidden states, the weight as it is
+        assert n.args[0].target in (aten.slice.Tensor, aten.select.int)
+        assert n.args[1].op == "placeholder" or n.args[1].target is aten.t.default
+    for a, b in zip(gm(hidden, weight, bias), fn(hidden, weight, bias)):
+        torch.testing.assert_close(a, b)
+
+
+def test_vocabulary_slice_of_an_lm_head_stays():
+    import torch.nn.functional as F
+
+    def fn(hidden, weight):
+        return (F.linear(hidden, weight)[..., :5],)  # a padded vocabulary cut: columns, not rows
+
+    hidden, weight = torch.randn(4, 3), torch.randn(7, 3)
+    gm = sunk(fn, hidden, weight)
+    (matmul,) = [n for n in gm.graph.nodes if n.target is aten.linear.default]
+    assert matmul.args[0].op == "placeholder"
+    torch.testing.assert_close(gm(hidden, weight)[0], fn(hidden, weight)[0])
