@@ -12,9 +12,11 @@ over the group: one `cp_sum_over_ranks` for all the reductions that do not depen
 `unshard`'s: each rank's loss is the whole loss, so no gradient crosses ranks.
 
 All or nothing, per graph: if anything reads an unsharded value otherwise (a graph output, an op
-that mixes rows, a replicated operand that requires grad, rows of another layout), every `unshard`
-stays as it is, with the reason recorded. The rewrite depends on the graph alone, never on values
-or on whether the local values require grad, so all ranks issue the same collectives.
+that mixes rows, rows of another layout), or an operand of the row-wise math may carry a gradient
+(an input that requires grad, a per-sequence value read back per token without `detach`: on local
+rows each rank would get only its share of that gradient), every `unshard` stays as it is, with
+the reason recorded. The rewrite depends on the graph alone, never on values or on whether the
+local values require grad, so all ranks issue the same collectives.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.fx
 
 from graphpass import _torch_api
 from graphpass.analysis import catalogue
-from graphpass.analysis.grad_flow import requires_grad
+from graphpass.analysis.grad_flow import edges_carrying_grad
 from graphpass.analysis.regions import source_of
 from graphpass.ops.cp import sum_over_ranks_bytes
 from graphpass.records import CollectiveRecord, CpRecord
@@ -38,7 +40,6 @@ aten = torch.ops.aten
 __all__ = ["localize_cp_reductions_pass"]
 
 _UNSHARD = torch.ops.graphpass.cp_unshard.default
-_SHARD = torch.ops.graphpass.cp_shard.default
 _SUM_OVER_RANKS = torch.ops.graphpass.cp_sum_over_ranks.default
 
 #: Reductions over the rows, and which argument is the reduced (row) tensor.
@@ -98,7 +99,7 @@ class _Plan:
 
 def _plan(gm, example_inputs, unshards) -> _Plan:
     rows = _layout_of(unshards)
-    requires = requires_grad(gm, example_inputs)
+    carries = _may_carry_gradient(gm, example_inputs, unshards)
     row_values, reductions = {u: None for u in unshards}, []
     total = unshards[0].meta["val"].shape[0]
     for node in gm.graph.nodes:
@@ -114,10 +115,11 @@ def _plan(gm, example_inputs, unshards) -> _Plan:
             reductions.append(node)
         else:
             raise CantLocalize(f"an unsharded value reaches {_name(node)} at {source_of(node)}, which {what}")
-        for operand in _replicated_operands(node, row_values, total):
-            if requires.get(operand, False):
-                raise CantLocalize(f"{_name(operand)} ({source_of(node)}) has one value per token and requires grad: "
-                                   "its gradient would be each rank's share of it")
+        for operand in node.all_input_nodes:
+            if operand not in row_values and carries[operand] and not (node.target in _SCATTERS
+                                                                        and operand is node.args[0]):
+                raise CantLocalize(f"{_name(operand)} ({source_of(node)}) may carry a gradient into the loss's "
+                                   "row-wise math: on local rows each rank would get only its share of it")
     return _Plan(rows, list(row_values), reductions, _phases(reductions))
 
 
@@ -175,18 +177,65 @@ def _classify(node, row_values, total) -> str:
     return "is not known to be row-wise"
 
 
-def _replicated_operands(node, row_values, total) -> list:
-    """The inputs of row-wise `node` (or of a reduction) that have one row per token but are not
-    computed from unsharded values: the loss's per-token data, read at the local rows."""
-    out = []
-    for operand in node.all_input_nodes:
-        if operand in row_values:
+def _may_carry_gradient(gm, example_inputs, unshards) -> dict:
+    """For each node: whether a gradient could flow from it into an unsharded value, a local input
+    or an input that requires grad, whatever the grad mode.
+
+    On local rows, an operand of the row-wise math gets only this rank's rows' share of its
+    gradient, which is right only where no gradient flows. The answer must be the same on every
+    rank, so it never depends on whether the local inputs require grad (ranks may differ there:
+    slime #2123): a local input (one from which the unsharded values are computed) counts as
+    requiring grad, and a gradient is assumed to flow wherever an op passes one (casts to integer
+    or bool, comparisons and `detach` do not).
+    """
+    local = _local_inputs(unshards)
+    examples = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    carries = {}
+    for node in gm.graph.nodes:
+        if not _is_float(node):
+            carries[node] = False
+        elif node.op == "placeholder":
+            x = examples.get(node)
+            carries[node] = node in local or (isinstance(x, torch.Tensor) and x.requires_grad)
+        else:
+            carries[node] = node.target is _UNSHARD or any(carries.get(a, False) for a in _grad_edges(node))
+    return carries
+
+
+def _local_inputs(unshards) -> set:
+    """The graph inputs a gradient could reach from an unshard's local values."""
+    found, seen, stack = set(), set(), [u.args[0] for u in unshards]
+    while stack:
+        n = stack.pop()
+        if n in seen or not _is_float(n):
             continue
-        if node.target in _SCATTERS and operand is node.args[0]:
-            continue  # the base of a scatter is added once, after the sum over ranks
-        if _row_aligned(operand, total) and operand.meta["val"].ndim == _ndim(node, operand):
-            out.append(operand)
-    return out
+        seen.add(n)
+        if n.op == "placeholder":
+            found.add(n)
+        stack.extend(_grad_edges(n))
+    return found
+
+
+def _grad_edges(node) -> list:
+    """The inputs of `node` a gradient from it may reach, in any grad mode."""
+    if node.op != "call_function":
+        return []
+    return edges_carrying_grad(node, _ALWAYS_ENABLED)
+
+
+class _AlwaysEnabled(dict):
+    def __missing__(self, key):
+        return True
+
+
+_ALWAYS_ENABLED = _AlwaysEnabled()
+
+
+def _is_float(node) -> bool:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if isinstance(v, (list, tuple)):
+        return any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in v)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def _ndim(node, operand) -> int:
@@ -233,8 +282,18 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
             new.meta["val"] = target(*vals[0], **vals[1])
         return new
 
-    local = {u: u.args[0] for u in plan.row_values if u.target is _UNSHARD}
-    shards: dict = {}
+    # Padding rows compute what one real local row computes (a copy of its values), so that no
+    # padding row can make an inf or NaN that the single-device program does not; the reductions
+    # then leave them out. `first`: the local row holding the last global row (a real row if any).
+    with graph.inserting_before(plan.row_values[0]):
+        valid = node(aten.ge.Scalar, rows.local_rows, 0)
+        first = node(aten.unsqueeze.default, node(aten.argmax.default, rows.local_rows), 0)
+        fill_rows = node(aten.where.self, valid, rows.local_rows,
+                         node(aten.clamp_min.default, node(aten.index_select.default, rows.local_rows, 0, first), 0))
+        local = {u: node(aten.where.self, _row_mask(node, valid, u.args[0]), u.args[0],
+                         node(aten.index_select.default, u.args[0], 0, first))
+                 for u in plan.row_values if u.target is _UNSHARD}
+    read: dict = {}
 
     def local_of(a, consumer):
         """The local rows of `a`, as `consumer` reads it: its local twin, the replicated `a` read
@@ -243,15 +302,12 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
             return a
         if a in local:
             return local[a]
-        if a not in shards and _row_aligned(a, total) and a.meta["val"].ndim == _ndim(consumer, a):
-            shards[a] = node(_SHARD, a, rows.local_rows, like=a)
-        return shards.get(a, a)
-
-    with graph.inserting_before(plan.row_values[0]):
-        valid = node(aten.ge.Scalar, rows.local_rows, 0)
+        if a not in read and _row_aligned(a, total) and a.meta["val"].ndim == _ndim(consumer, a):
+            read[a] = node(aten.index_select.default, a, 0, fill_rows, like=a)
+        return read.get(a, a)
 
     for value in plan.row_values:
-        if value in local:
+        if value.target is _UNSHARD:
             continue
         with graph.inserting_before(value):
             args = torch.fx.node.map_arg(value.args, lambda a: local_of(a, value))

@@ -130,7 +130,9 @@ def cp_sum_over_ranks(partials: list[torch.Tensor], group_name: str) -> list[tor
     dtype = _common_dtype(partials)
     flat = torch.cat([p.reshape(-1).to(dtype) for p in partials])
     torch.distributed.all_reduce(flat, group=group)
-    return [piece.view(p.shape).to(p.dtype) for piece, p in zip(flat.split([p.numel() for p in partials]), partials)]
+    # Copies: a custom op's outputs may not alias one another (they are small: sums, not rows).
+    return [piece.view(p.shape).to(p.dtype, copy=True)
+            for piece, p in zip(flat.split([p.numel() for p in partials]), partials)]
 
 
 def _common_dtype(partials) -> torch.dtype:

@@ -129,6 +129,17 @@ def _replicated_requires_grad(layout, local_logits, tokens, old_logp, adv, mask,
     return ((logp - old_logp) ** 2 * mask).sum()
 
 
+def _learnable_coefficient(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return (logp * mask * old_logp.new_ones(()).mul(seq_zeros.sum() + 0.5)).sum()
+
+
+def _sequence_values_with_grad(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    per_seq = seq_zeros.index_add(0, seq_ids, logp * mask)
+    return (logp * per_seq[seq_ids]).sum()  # d loss / d per_seq sums over every rank's rows
+
+
 def _broadcast_against_rows(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
     logp = _logp(layout, local_logits, tokens)
     return (logp[None, :] * mask[:, None]).sum()  # [T, T]: every row against every row
@@ -138,7 +149,9 @@ KEPT = [
     (_returns_logp, (), "returned"),
     (_cumsum, (), "cumsum"),
     (_shifted_rows, (), "slice"),
-    (_replicated_requires_grad, ("old_logp",), "requires grad"),
+    (_replicated_requires_grad, ("old_logp",), "may carry a gradient"),
+    (_learnable_coefficient, ("seq_zeros",), "may carry a gradient"),
+    (_sequence_values_with_grad, (), "index.Tensor"),
     (_broadcast_against_rows, (), "unsqueeze"),
 ]
 
