@@ -35,8 +35,12 @@ class Layout:
     """Which rows of the packed stream of sequences `seq_lens` each rank of a CP group holds.
 
     Build one with `Layout.zigzag`, `Layout.contiguous`, `Layout.allgather` or
-    `Layout.from_megatron`. Its tables depend only on the sequence lengths and the group's size,
-    so they are the same on every rank; a new batch gets a new layout and reuses compiled code.
+    `Layout.from_megatron`, outside the compiled loss (once per batch: it checks with one tiny
+    all-gather that every rank was given the same `seq_lens`; `check=False` skips that). Its tables
+    depend only on the sequence lengths and the group's size, so they are the same on every rank;
+    a new batch gets a new layout and reuses the compiled code. `tp_group`: the tensor-parallel
+    group the loss also uses, checked to be another axis of the device mesh. `device`: where the
+    tables live (default: the current GPU for an NCCL group, else the CPU).
     """
 
     def __init__(self, kind: str, group, seq_lens, *, pad_multiple: int = 1, tp_group=None, device=None,
