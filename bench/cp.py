@@ -230,7 +230,7 @@ def table(rows: list[dict]) -> str:
         what = ("reduced (" + ", ".join(record["reductions"]) + ")") if record and record["rewritten"] else "unshard kept"
         times = [f"{x['step_ms']:.1f}" if x.get("measured") else "counted" for x in (slime, unshard, r)]
         lines.append([r["loss"], r["layout"], r["cp"], f"{slime['bytes_per_rank']:,}", f"{unshard['bytes_per_rank']:,}",
-                      f"{r['bytes_per_rank']:,}", f"{r['bytes_per_rank'] / slime['bytes_per_rank']:.4f}", what, *times,
+                      f"{r['bytes_per_rank']:,}", f"{r['bytes_per_rank'] / slime['bytes_per_rank']:.2g}", what, *times,
                       f"{r['grad_diff']:.1e}" if r.get("measured") else "-"])
     return tabulate(lines, headers=["loss", "layout", "cp", "slime B/rank", "unshard B/rank", "graphpass B/rank",
                                     "graphpass / slime", "graphpass did", "slime ms", "unshard ms", "graphpass ms",
@@ -251,7 +251,7 @@ def acceptance(rows: list[dict]) -> list[dict]:
         passed = ratio <= limit and r.get("same_on_every_rank", True) and r.get("grad_diff", 0.0) <= 1e-5
         out.append(dict(loss=r["loss"], layout=r["layout"], cp=r["cp"], ratio=ratio, limit=limit, passed=passed,
                         line=f"{'PASS' if passed else 'FAIL'} {r['loss']} {r['layout']} cp={r['cp']}"
-                             f"{'' if r.get('measured') else ' (counted)'}: graphpass {ratio:.4f} x slime's bytes "
+                             f"{'' if r.get('measured') else ' (counted)'}: graphpass {ratio:.2g} x slime's bytes "
                              f"per rank (limit {limit:.3f}, {'reduced' if rewritten else 'unshard kept'})"))
     return out
 
