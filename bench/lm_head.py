@@ -289,8 +289,8 @@ def measure(spec: HeadSpec) -> dict:
         peaks.append(meter.peak())
     result = dict(status="ok", peak_bytes=max(peaks), peaks=peaks, ratio=max(peaks) / spec.floor_bytes,
                   time_s=statistics.median(times), times=times, first_call_s=first_call_s or times[0],
-                  loss=float(loss), load_avg_1m=os.getloadavg()[0], notes=notes())
-    ours = dict(loss=float(loss), hidden=hidden.grad.detach(), weight=weight.grad.detach())
+                  loss=float(loss.detach()), load_avg_1m=os.getloadavg()[0], notes=notes())
+    ours = dict(loss=float(loss.detach()), hidden=hidden.grad.detach(), weight=weight.grad.detach())
     loss = None
     cache = os.path.join(spec.reference_cache, spec.key + ".pt") if spec.reference_cache else None
     if cache and os.path.exists(cache):
@@ -481,7 +481,8 @@ def _commit() -> str | None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="T=256 H=64 V=1024 fp32, two steps per method")
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory for lm_head.json and lm_head.png")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for NAME.json and NAME.png")
+    p.add_argument("--name", default=None, help="file name of the JSON and plot (default lm_head, lm_head_quick)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--T", nargs="+", type=int, default=list(GRID_T))
@@ -519,7 +520,7 @@ def main(argv=None) -> int:
     for c in checks:
         print(c["line"])
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "lm_head_quick" if args.quick else "lm_head"
+    name = args.name or ("lm_head_quick" if args.quick else "lm_head")
     (args.out / f"{name}.json").write_text(json.dumps(dict(
         machine=machine, commit=_commit(), command=" ".join(["python -m bench.lm_head", *(argv if argv is not None else sys.argv[1:])]),
         elapsed_s=round(time.time() - t0), load_avg_end=list(os.getloadavg()),
