@@ -3,10 +3,13 @@
 A context-parallel loss (`graphpass.cp`) unshards its per-token values (`[T_local] -> [T]`, one
 all-gather) and then runs single-device code: row-wise math with replicated per-token tensors (old
 log-probs, advantages, masks) ending in reductions over tokens, a sum, a mean, or per-sequence sums
-(`index_add`, `scatter_add`). Every rank then holds every row, though all it needs are the sums.
+(`index_add`, `scatter_add`, or a loop over `split` by sequence lengths, slime's per-sample mean),
+of all the rows or of a slice of them. Every rank then holds every row, though all it needs are
+the sums.
 
 This pass runs that row-wise math on the local rows instead (each replicated operand read at the
-local rows, `cp_shard`), reduces locally with padding rows left out, and sums the partial results
+local rows), reduces locally with padding rows (and the rows outside a slice) left out, and sums
+the partial results
 over the group: one `cp_sum_over_ranks` for all the reductions that do not depend on one another
 (a GSPO or OPSM loss, whose token math reads per-sequence values, needs a second). Its backward is
 `unshard`'s: each rank's loss is the whole loss, so no gradient crosses ranks.
@@ -42,10 +45,12 @@ __all__ = ["localize_cp_reductions_pass"]
 _UNSHARD = torch.ops.graphpass.cp_unshard.default
 _SUM_OVER_RANKS = torch.ops.graphpass.cp_sum_over_ranks.default
 
-#: Reductions over the rows, and which argument is the reduced (row) tensor.
+#: Reductions over the rows (over other dims they are row-wise), and sums by an index per row.
 _ROW_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
-_SCATTERS = {aten.index_add.default: 3, aten.scatter_add.default: 3}
-#: Row-wise ops beyond the pointwise ones: views that keep the row dim first, and reductions over other dims.
+_SCATTERS = {aten.index_add.default, aten.scatter_add.default}
+#: A range of the rows.
+_SLICES = {aten.slice.Tensor, aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default}
+#: Row-wise ops beyond the pointwise ones: views that keep the row dim first.
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _ROW_VIEWS = _RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
@@ -79,7 +84,8 @@ def localize_cp_reductions_pass(gm: torch.fx.GraphModule, example_inputs, *, con
     collectives = _rewrite(gm.graph, plan)
     _torch_api.stable_topological_sort(gm.graph)
     # Erased here: dead-code elimination keeps a custom op (it may be impure), and so the unshard.
-    for value in reversed(plan.row_values):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for value in sorted([*plan.row_values, *plan.splits], key=order.__getitem__, reverse=True):
         if not value.users:
             gm.graph.erase_node(value)
     record.cp.append(CpRecord(source, rewritten=True, reason=None, unshards=len(unshards),
@@ -89,38 +95,53 @@ def localize_cp_reductions_pass(gm: torch.fx.GraphModule, example_inputs, *, con
 
 
 # ---- analysis ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Range:
+    """The global rows a row value holds: `length` rows from `start` (a slice of the unsharded rows)."""
+
+    start: int
+    length: object  # int, or the symbolic T of the whole range
+
+    def same(self, other) -> bool:
+        return self.start == other.start and _torch_api.known_equal(self.length, other.length)
+
+
 @dataclasses.dataclass
 class _Plan:
     rows: _Rows
-    row_values: list  # nodes computed row-wise from unsharded values, graph order (unshards first)
-    reductions: list  # nodes reducing row values over the rows, graph order
+    total: object  # T
+    row_values: dict  # node computed row-wise from unsharded values -> its _Range, graph order (unshards first)
+    splits: dict  # a split of a row value -> the _Range of each piece
+    reductions: dict  # node reducing a row value over its rows -> that value's _Range, graph order
     phase: dict  # reduction -> how many sums over ranks it waits for
 
 
 def _plan(gm, example_inputs, unshards) -> _Plan:
     rows = _layout_of(unshards)
     carries = _may_carry_gradient(gm, example_inputs, unshards)
-    row_values, reductions = {u: None for u in unshards}, []
     total = unshards[0].meta["val"].shape[0]
+    row_values, splits, reductions = {u: _Range(0, total) for u in unshards}, {}, {}
     for node in gm.graph.nodes:
-        if node in row_values or not any(i in row_values for i in node.all_input_nodes):
+        if node in row_values or not any(i in row_values or i in splits for i in node.all_input_nodes):
             continue
         if node.op == "output":
             raise CantLocalize(f"an unsharded value is returned ({source_of(_first_in(node, row_values))}); "
                                "it needs every row")
-        what = _classify(node, row_values, total)
+        what, extent = _classify(node, row_values, splits)
         if what == "row":
-            row_values[node] = None
+            row_values[node] = extent
+        elif what == "split":
+            splits[node] = extent
         elif what == "reduction":
-            reductions.append(node)
+            reductions[node] = extent
         else:
             raise CantLocalize(f"an unsharded value reaches {_name(node)} at {source_of(node)}, which {what}")
         for operand in node.all_input_nodes:
-            if operand not in row_values and carries[operand] and not (node.target in _SCATTERS
-                                                                        and operand is node.args[0]):
+            if operand not in row_values and operand not in splits and carries[operand] \
+                    and not (node.target in _SCATTERS and operand is node.args[0]):
                 raise CantLocalize(f"{_name(operand)} ({source_of(node)}) may carry a gradient into the loss's "
                                    "row-wise math: on local rows each rank would get only its share of it")
-    return _Plan(rows, list(row_values), reductions, _phases(reductions))
+    return _Plan(rows, total, row_values, splits, reductions, _phases(list(reductions)))
 
 
 def _layout_of(unshards) -> _Rows:
@@ -132,49 +153,109 @@ def _layout_of(unshards) -> _Rows:
     return rows
 
 
-def _classify(node, row_values, total) -> str:
-    """"row", "reduction", or why `node` cannot run on local rows."""
+def _classify(node, row_values, splits):
+    """("row" | "split" | "reduction", the rows it reads or makes), or (why `node` cannot run on
+    local rows, None)."""
     if node.op != "call_function":
-        return "is not an op"
-    val = node.meta.get("val")
+        return "is not an op", None
     target = node.target
+    if target is operator.getitem and node.args[0] in splits:
+        return "row", splits[node.args[0]][node.args[1]]
+    extent = _common_range(node, row_values)
+    if extent is None:
+        return "combines rows of different ranges", None
+    if target in _SLICES:
+        return _sliced(node, extent)
+    val = node.meta.get("val")
     if target in _ROW_SUMS:
-        dims = _reduced_dims(node)
-        if 0 in dims:
-            return "reduction" if _row_aligned(node.args[0], total) else "reads the rows in another shape"
-        return "row" if _row_aligned(node, total) else "changes the row count"
+        if 0 in _reduced_dims(node):
+            other = [node.args[0].meta["val"].shape[d] for d in _reduced_dims(node) if d != 0]
+            if target in (aten.mean.default, aten.mean.dim) and not all(isinstance(d, int) for d in other):
+                return "averages over symbolic dims besides the rows", None
+            return "reduction", extent
+        return ("row", extent) if _aligned(node, extent) else ("changes the row count", None)
     if target in _SCATTERS:
         index, src = node.args[2], node.args[3]
         if node.args[1] != 0 or any(a in row_values for a in (node.args[0], index)) or not isinstance(index, torch.fx.Node):
-            return "scatters along another dim, or by an unsharded index"
-        if not (_row_aligned(src, total) and _row_aligned(index, total)):
-            return "scatters rows of another shape"
-        if target is aten.scatter_add.default and not _torch_api.same_shape(index.meta["val"].shape, src.meta["val"].shape):
-            return "scatters by an index of another shape than its source"
-        return "reduction"
-    if not isinstance(val, torch.Tensor) or not _row_aligned(node, total):
-        return "mixes or changes the rows"
+            return "scatters along another dim, or by an unsharded index", None
+        if not (_aligned(src, extent) and _aligned(index, extent)):
+            return "scatters rows of another shape", None
+        if target is aten.scatter_add.default and not _torch_api.same_shape(index.meta["val"].shape,
+                                                                            src.meta["val"].shape):
+            return "scatters by an index of another shape than its source", None
+        return "reduction", extent
+    if not isinstance(val, torch.Tensor) or not _aligned(node, extent):
+        return "mixes or changes the rows", None
     if target in _ROW_VIEWS:
         src = node.args[0].meta["val"]
         if target is aten.unsqueeze.default and node.args[1] % (src.ndim + 1) == 0:
-            return "adds a dim before the rows"
+            return "adds a dim before the rows", None
         if target in (aten.squeeze.dim, aten.squeeze.dims) and 0 in _as_dims(node.args[1], src.ndim):
-            return "squeezes the row dim"
+            return "squeezes the row dim", None
         if target is aten.expand.default and len(node.args[1]) != src.ndim:
-            return "expands with new leading dims"
+            return "expands with new leading dims", None
         if target in _RESHAPES and not all(isinstance(d, int) for d in val.shape[1:]):
-            return "reshapes to symbolic trailing dims"
-        return "row"
+            return "reshapes to symbolic trailing dims", None
+        return "row", extent
     if target in catalogue.ELEMENTWISE or catalogue.is_deterministic_pointwise(target):
         for operand in node.all_input_nodes:
             v = operand.meta.get("val")
             if operand in row_values and v.ndim != val.ndim:
-                return "broadcasts the rows against another dim"
+                return "broadcasts the rows against another dim", None
             if isinstance(v, torch.Tensor) and v.ndim == val.ndim and not _torch_api.known_equal(v.shape[0], 1) \
-                    and not _torch_api.known_equal(v.shape[0], total):
-                return "broadcasts rows of another count"
-        return "row"
-    return "is not known to be row-wise"
+                    and not _aligned(operand, extent):
+                return "broadcasts rows of another count", None
+        return "row", extent
+    return "is not known to be row-wise", None
+
+
+def _common_range(node, row_values):
+    """The one range of the row values `node` reads; None if they differ."""
+    ranges = [row_values[i] for i in node.all_input_nodes if i in row_values]
+    if not ranges:  # reads only a split: classified by its getitems
+        return _Range(0, 0)
+    return ranges[0] if all(r.same(ranges[0]) for r in ranges) else None
+
+
+def _sliced(node, extent: _Range):
+    """A slice, narrow or split of a row value along its rows: the range of each result."""
+    x = node.args[0].meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if dim % x.ndim != 0:
+        return "slices a dim after the rows", None  # not a row op: keep it simple
+    n = extent.length
+    if node.target is aten.slice.Tensor:
+        begin, stop = (list(node.args[2:4]) + [None, None])[:2]
+        step = node.args[4] if len(node.args) > 4 else 1
+        if step != 1:
+            return "slices the rows with a step", None
+        if (begin in (None, 0)) and (stop is None or (isinstance(stop, int) and stop >= 2**62)):
+            return "row", extent  # the whole range
+        if not (isinstance(n, int) and all(isinstance(b, int) or b is None for b in (begin, stop))):
+            return "slices the rows at symbolic bounds", None
+        begin, stop, _ = slice(begin, stop).indices(n)
+        return "row", _Range(extent.start + begin, max(0, stop - begin))
+    if node.target is aten.narrow.default:
+        begin, length = node.args[2], node.args[3]
+        if not (isinstance(n, int) and isinstance(begin, int) and isinstance(length, int)):
+            return "narrows the rows at symbolic bounds", None
+        begin = begin % n if begin < 0 else begin
+        return "row", _Range(extent.start + begin, length)
+    if not isinstance(n, int):
+        return "splits rows of a symbolic count", None
+    sizes = node.args[1]
+    if node.target is aten.split.Tensor:
+        if not isinstance(sizes, int):
+            return "splits the rows at symbolic sizes", None
+        sizes = [min(sizes, n - b) for b in range(0, n, sizes)] or [0]
+    if not all(isinstance(k, int) for k in sizes):
+        return "splits the rows at symbolic sizes", None
+    offsets = [0]
+    for k in sizes:
+        offsets.append(offsets[-1] + k)
+    return "split", [_Range(extent.start + b, k) for b, k in zip(offsets, sizes)]
 
 
 def _may_carry_gradient(gm, example_inputs, unshards) -> dict:
@@ -239,6 +320,8 @@ def _is_float(node) -> bool:
 
 
 def _ndim(node, operand) -> int:
+    """The rank an operand of `node` has when it holds one row per row of `node`'s rows (a
+    lower-rank operand broadcasts along the trailing dims instead)."""
     val = node.meta.get("val")
     if node.target in _ROW_SUMS or node.target in _SCATTERS or not isinstance(val, torch.Tensor):
         return operand.meta["val"].ndim
@@ -271,7 +354,7 @@ def _depends_on(node, other) -> bool:
 def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
     rows = plan.rows
     fake_mode = _torch_api.detect_fake_mode([rows.local_rows.meta["val"]])
-    total = plan.row_values[0].meta["val"].shape[0]
+    first_value = next(iter(plan.row_values))
 
     def node(target, *args, like=None, **kwargs):
         new = graph.call_function(target, args, kwargs)
@@ -282,44 +365,70 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
             new.meta["val"] = target(*vals[0], **vals[1])
         return new
 
-    # Padding rows compute what one real local row computes (a copy of its values), so that no
-    # padding row can make an inf or NaN that the single-device program does not; the reductions
-    # then leave them out. `first`: the local row holding the last global row (a real row if any).
-    with graph.inserting_before(plan.row_values[0]):
+    # Padding rows compute what one real local row computes (a copy of its values, detached), so
+    # that no padding row can make an inf or NaN that the single-device program does not; the
+    # reductions then leave them out. `first`: the local row holding the last global row.
+    with graph.inserting_before(first_value):
         valid = node(aten.ge.Scalar, rows.local_rows, 0)
         first = node(aten.unsqueeze.default, node(aten.argmax.default, rows.local_rows), 0)
         fill_rows = node(aten.where.self, valid, rows.local_rows,
                          node(aten.clamp_min.default, node(aten.index_select.default, rows.local_rows, 0, first), 0))
         local = {u: node(aten.where.self, _row_mask(node, valid, u.args[0]), u.args[0],
-                         node(aten.index_select.default, u.args[0], 0, first))
-                 for u in plan.row_values if u.target is _UNSHARD}
-    read: dict = {}
+                         node(aten.detach.default, node(aten.index_select.default, u.args[0], 0, first)))
+                 for u, extent in plan.row_values.items() if u.target is _UNSHARD}
+    masks, reads = {}, {}
 
-    def local_of(a, consumer):
-        """The local rows of `a`, as `consumer` reads it: its local twin, the replicated `a` read
-        at the local rows (inserted before the first consumer), or `a` itself (a broadcast operand)."""
+    def whole(extent) -> bool:
+        return extent.start == 0 and _torch_api.known_equal(extent.length, plan.total)
+
+    def mask_of(extent):
+        """The local rows that hold a row of `extent` (real rows only)."""
+        if whole(extent):
+            return valid
+        key = (extent.start, extent.length)
+        if key not in masks:
+            with graph.inserting_before(first_value):
+                masks[key] = node(aten.logical_and.default, node(aten.ge.Scalar, rows.local_rows, extent.start),
+                                  node(aten.lt.Scalar, rows.local_rows, extent.start + extent.length))
+        return masks[key]
+
+    def local_of(a, consumer, extent):
+        """The local rows of `a`, as `consumer` reads it in `extent`: its local twin, the replicated
+        `a` read at the local rows, or `a` itself (a broadcast operand)."""
         if not isinstance(a, torch.fx.Node):
             return a
         if a in local:
             return local[a]
-        if a not in read and _row_aligned(a, total) and a.meta["val"].ndim == _ndim(consumer, a):
-            read[a] = node(aten.index_select.default, a, 0, fill_rows, like=a)
-        return read.get(a, a)
+        key = (a, extent.start)
+        if key not in reads and _aligned(a, extent) and a.meta["val"].ndim == _ndim(consumer, a):
+            index = fill_rows
+            if not whole(extent):  # row i of `a` is global row start + i
+                index = node(aten.clamp.default, node(aten.sub.Tensor, fill_rows, extent.start), 0,
+                             max(0, extent.length - 1))
+            reads[key] = node(aten.index_select.default, a, 0, index, like=a)
+        return reads.get(key, a)
 
-    for value in plan.row_values:
+    for value, extent in plan.row_values.items():
         if value.target is _UNSHARD:
             continue
         with graph.inserting_before(value):
-            args = torch.fx.node.map_arg(value.args, lambda a: local_of(a, value))
-            kwargs = torch.fx.node.map_arg(value.kwargs, lambda a: local_of(a, value))
+            if value.target in _SLICES or value.target is operator.getitem:
+                # A slice keeps every local row; only its range's rows pass a gradient back.
+                source = local[value.args[0] if value.target in _SLICES else value.args[0].args[0]]
+                local[value] = node(aten.where.self, _row_mask(node, mask_of(extent), source), source,
+                                    node(aten.detach.default, source), like=value)
+                continue
+            args = torch.fx.node.map_arg(value.args, lambda a: local_of(a, value, extent))
+            kwargs = torch.fx.node.map_arg(value.kwargs, lambda a: local_of(a, value, extent))
             if value.target in _RESHAPES:  # the same shape with the local row count
                 args = (args[0], [-1, *value.meta["val"].shape[1:]]) + tuple(args[2:])
             local[value] = node(value.target, *args, like=value, **kwargs)
 
     partials = {}
-    for r in plan.reductions:
+    for r, extent in plan.reductions.items():
         with graph.inserting_before(r):
-            partials[r] = _partial(node, r, local, local_of, valid, rows, total, fake_mode, graph)
+            partials[r] = _partial(node, r, extent, rows, local, lambda a, c: local_of(a, c, extent), mask_of(extent),
+                                   fake_mode, graph)
 
     collectives = []
     for phase in sorted(set(plan.phase.values())):
@@ -341,24 +450,25 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
     return collectives
 
 
-def _partial(node, r, local, local_of, valid, rows, total, fake_mode, graph):
-    """This rank's share of reduction `r`: the local rows reduced, padding rows left out."""
+def _partial(node, r, extent, rows, local, local_of, mask, fake_mode, graph):
+    """This rank's share of reduction `r` over the rows of `extent`: the local rows that hold
+    them reduced, the others (padding, rows outside a slice) left out."""
     if r.target in _SCATTERS:
         src = local[r.args[3]] if r.args[3] in local else local_of(r.args[3], r)
         index = local_of(r.args[2], r)
-        kept = node(aten.where.self, _row_mask(node, valid, src), src, node(aten.scalar_tensor.default, 0.0,
-                                                                              dtype=src.meta["val"].dtype))
+        kept = node(aten.where.self, _row_mask(node, mask, src), src, node(aten.scalar_tensor.default, 0.0,
+                                                                             dtype=src.meta["val"].dtype))
         base = node(aten.zeros_like.default, r.args[0])
         return node(r.target, base, 0, index, kept, *r.args[4:], like=r, **r.kwargs)
     src = local[r.args[0]] if r.args[0] in local else local_of(r.args[0], r)
     zero = node(aten.scalar_tensor.default, 0.0, dtype=src.meta["val"].dtype)
-    kept = node(aten.where.self, _row_mask(node, valid, src), src, zero)
+    kept = node(aten.where.self, _row_mask(node, mask, src), src, zero)
     if r.target in (aten.sum.default, aten.mean.default):
         part = node(aten.sum.default, kept, **r.kwargs)
     else:
         part = node(aten.sum.dim_IntList, kept, *r.args[1:], like=r, **r.kwargs)
     if r.target in (aten.mean.default, aten.mean.dim):
-        count = _count(node, r, rows, fake_mode, graph)
+        count = _count(node, r, extent, rows, fake_mode, graph)
         part = node(aten.div.Tensor, part, count, like=r)
         if part.meta["val"].dtype != r.meta["val"].dtype:
             part = node(aten._to_copy.default, part, dtype=r.meta["val"].dtype)
@@ -371,24 +481,24 @@ def _row_mask(node, valid, src):
     return valid if extra == 0 else node(aten.view.default, valid, [-1] + [1] * extra)
 
 
-def _count(node, r, rows, fake_mode, graph):
-    """How many elements the mean `r` averages: T times its other reduced dims (a float64 tensor)."""
+def _count(node, r, extent, rows, fake_mode, graph):
+    """How many elements the mean `r` averages: the rows times its other reduced dims (a float64 tensor)."""
     src = r.args[0].meta["val"]
-    other = math.prod(src.shape[d] for d in _reduced_dims(r) if d != 0)
-    t = rows.order.meta["val"].shape[0]
-    if isinstance(t, int) and isinstance(other, int):
-        return node(aten.scalar_tensor.default, float(t * other), dtype=torch.float64)
+    other = math.prod(src.shape[d] for d in _reduced_dims(r) if d != 0)  # an int: checked by the plan
+    if isinstance(extent.length, int):
+        return node(aten.scalar_tensor.default, float(extent.length * other), dtype=torch.float64)
+    # The whole range, of a symbolic T: read from the layout's [T] table, not from the unsharded value.
     size = node(aten.sym_size.int, rows.order, 0)
-    if not (isinstance(other, int) and other == 1):
+    if other != 1:
         size = node(operator.mul, size, other)
     return _torch_api.float64_tensor_node(graph, size, fake_mode)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _row_aligned(n, total) -> bool:
-    """A tensor whose dim 0 indexes the T tokens."""
+def _aligned(n, extent: _Range) -> bool:
+    """A tensor whose dim 0 has one row per row of `extent`."""
     v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-    return isinstance(v, torch.Tensor) and v.ndim >= 1 and _torch_api.known_equal(v.shape[0], total)
+    return isinstance(v, torch.Tensor) and v.ndim >= 1 and _torch_api.known_equal(v.shape[0], extent.length)
 
 
 def _reduced_dims(node) -> set:

@@ -2,7 +2,8 @@
 
 A program unshards one or two local per-token values (a log-prob, a log-sum-exp), runs a random
 chain of row-wise ops with the rollout's replicated per-token tensors, reduces with random
-reductions over tokens (sum, mean, per-sequence index_add / scatter_add), sometimes reads the
+reductions over tokens (sum, mean, per-sequence index_add / scatter_add, a loop over `split` by
+sequence, a slice of the rows), sometimes reads the
 per-sequence sums back per token for a second level (as GSPO and OPSM do), and sometimes ends in
 an op that needs every row. Compiled with graphpass it must equal eager, value and gradient, and
 be rewritten exactly when no such op is present. Hypothesis draws programs on one process (a
@@ -26,7 +27,7 @@ from graphpass import cp
 
 ROW_OPS = ("exp_ratio", "times_adv", "clamp", "where_mask", "square", "neg", "plus_second", "pair_sum", "over_len",
            "detach_mix")
-REDUCTIONS = ("sum", "mean", "index_add", "scatter_add", "masked_mean", "sum_dtype")
+REDUCTIONS = ("sum", "mean", "index_add", "scatter_add", "masked_mean", "sum_dtype", "split_means", "slice_sum")
 BREAKERS = (None, "cumsum", "flip", "shift", "returned")
 #: A second level of reductions over per-sequence sums read back per token; "with grad" keeps the
 #: unshard (each rank would get only its rows' share of the gradient through the sums).
@@ -71,15 +72,19 @@ def _reduce(kind, v, d):
         return d["seq_zeros"].scatter_add(0, d["seq_ids"], v)
     if kind == "masked_mean":
         return (v * d["mask"]).sum() / d["mask"].sum().clamp_min(1)
+    if kind == "split_means":  # slime's per-sample mean: a loop over split by sequence lengths
+        return sum((x * m).sum() / m.sum().clamp_min(1) for x, m in zip(v.split(d["lens"]), d["mask"].split(d["lens"])))
+    if kind == "slice_sum":
+        return (v[2:-1] * d["mask"][1:-2]).sum()
     return v.sum(dtype=torch.float64)  # "sum_dtype"
 
 
-def build(program):
+def build(program, lens):
     """The loss function of a program: (row ops, reductions, second level?, breaker)."""
     ops, reductions, second_level, breaker = program
 
     def loss(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
-        d = dict(old_logp=old_logp, adv=adv, mask=mask, seq_ids=seq_ids, seq_zeros=seq_zeros)
+        d = dict(old_logp=old_logp, adv=adv, mask=mask, seq_ids=seq_ids, seq_zeros=seq_zeros, lens=lens)
         local_lp = cp_losses.token_logprobs(local_logits, layout.shifted_targets(tokens))
         v = layout.unshard(local_lp)
         second = layout.unshard(local_logits.logsumexp(-1))
@@ -114,7 +119,7 @@ ARGS = ("tokens", "old_logp", "adv", "mask", "seq_ids", "seq_zeros")
 def _check_one_process(program, lens, seed):
     data = cp_losses.rollout(lens, 6, seed=seed)
     layout = cp.Layout.zigzag(None, lens)
-    fn = build(program)
+    fn = build(program, lens)
     results = []
     torch._dynamo.reset()
     backend = graphpass.Backend(inner="aot_eager")
@@ -146,11 +151,12 @@ def _sample(n, seed=0):
     for _ in range(n):
         out.append(([rng.choice(ROW_OPS) for _ in range(rng.randint(1, 5))],
                     [rng.choice(REDUCTIONS) for _ in range(rng.randint(1, 3))],
-                    rng.choice(SECOND_LEVELS), rng.choice(BREAKERS[:1] * 3 + BREAKERS[1:])))
+                    rng.choice((None, None, "detached", "detached", "with grad")),
+                    None if rng.random() < 0.7 else rng.choice(BREAKERS[1:])))
     return out
 
 
-PROGRAMS = _sample(10)
+PROGRAMS = _sample(12)
 LENS = [7, 2, 11, 4]
 
 
@@ -172,7 +178,7 @@ def _on_ranks(rank, world, programs):
     for kind in ("zigzag", "allgather"):
         layout = getattr(cp.Layout, kind)(dist.group.WORLD, LENS)
         for program in programs:
-            fn = build(program)
+            fn = build(program, LENS)
             full = data["logits"].clone().requires_grad_()
             ref = fn(_OneDevice(), full, *(data[k] for k in ARGS))
             ref = ref[0] if isinstance(ref, tuple) else ref

@@ -103,6 +103,26 @@ def test_means_views_column_reductions_and_scatter_add_reduce_locally():
     _assert_same(compiled, eager)
 
 
+def _sample_means_by_split(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    """slime's sum_of_sample_mean, written for one device: a loop over `split` by sequence lengths."""
+    logp = _logp(layout, local_logits, tokens)
+    pg = torch.exp(logp - old_logp) * -adv
+    pieces = zip(pg.split(LENS), mask.split(LENS))
+    per_sample = sum((x * m).sum() / m.sum().clamp_min(1) for x, m in pieces)
+    # A slice and a narrow of the rows, with replicated operands sliced alike.
+    return per_sample + (logp[3:-2] * mask[3:-2]).mean() + logp.narrow(0, 4, 6).exp().sum() + (logp[1:] * mask[:-1]).sum()
+
+
+def test_split_loops_and_slices_of_the_rows_reduce_locally():
+    layout, data = _inputs(seed=4)
+    record, compiled, eager = _run(_sample_means_by_split, layout, data)
+    [cp_record] = record.cp
+    assert cp_record.rewritten, cp_record
+    assert cp_record.reductions.count("sum") == len(LENS) + 2 and "mean" in cp_record.reductions
+    assert len(cp_record.collectives) == 1
+    _assert_same(compiled, eager)
+
+
 # ---- what must keep the exact unshard ------------------------------------------------------------------
 def _returns_logp(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
     logp = _logp(layout, local_logits, tokens)
@@ -114,9 +134,9 @@ def _cumsum(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zero
     return (logp.cumsum(0) * mask).sum()
 
 
-def _shifted_rows(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+def _rows_against_shifted_rows(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
     logp = _logp(layout, local_logits, tokens)
-    return (logp[1:] * mask[:-1]).sum()
+    return (logp[1:] * logp[:-1]).sum()  # row g against row g - 1: rows of two ranks
 
 
 def _max_of_sequence_sums(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
@@ -148,7 +168,7 @@ def _broadcast_against_rows(layout, local_logits, tokens, old_logp, adv, mask, s
 KEPT = [
     (_returns_logp, (), "returned"),
     (_cumsum, (), "cumsum"),
-    (_shifted_rows, (), "slice"),
+    (_rows_against_shifted_rows, (), "combines rows of different ranges"),
     (_replicated_requires_grad, ("old_logp",), "may carry a gradient"),
     (_learnable_coefficient, ("seq_zeros",), "may carry a gradient"),
     (_sequence_values_with_grad, (), "index.Tensor"),
