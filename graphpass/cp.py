@@ -79,10 +79,11 @@ class Layout:
 
     # ---- constructors --------------------------------------------------------------------------
     @classmethod
-    def zigzag(cls, group, seq_lens, **kw) -> "Layout":
+    def zigzag(cls, group, seq_lens, *, pad_multiple: int = 1, **kw) -> "Layout":
         """Each sequence padded to a multiple of 2·cp and cut into 2·cp chunks; rank r holds chunks r
-        and 2·cp−1−r of every sequence (Megatron's and slime's load-balanced context parallelism)."""
-        return cls("zigzag", group, seq_lens, **kw)
+        and 2·cp−1−r of every sequence (Megatron's and slime's load-balanced context parallelism),
+        its rows padded at their end to a multiple of pad_multiple (slime: tp · 128)."""
+        return cls("zigzag", group, seq_lens, pad_multiple=pad_multiple, **kw)
 
     @classmethod
     def contiguous(cls, group, seq_lens, *, pad_multiple: int = 1, **kw) -> "Layout":
@@ -221,7 +222,9 @@ def _check_disjoint(cp_group, tp_group) -> None:
 def _rows(kind: str, seq_lens, size: int, pad_multiple: int) -> torch.Tensor:
     """`[size, T_local]` global rows (-1 padding) of layout `kind`."""
     if kind == "zigzag":
-        return _zigzag_rows(seq_lens, size)
+        rows = _zigzag_rows(seq_lens, size)
+        extra = -rows.shape[1] % pad_multiple
+        return torch.cat([rows, rows.new_full((size, extra), -1)], dim=1) if extra else rows
     return _contiguous_rows(sum(seq_lens), size, pad_multiple)
 
 

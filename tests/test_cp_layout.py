@@ -37,6 +37,15 @@ def test_zigzag_tables_follow_the_definition(size):
     assert _rows("zigzag", LENS, size, 1).tolist() == _zigzag_by_definition(LENS, size)
 
 
+def test_zigzag_pads_each_ranks_rows_to_a_multiple_like_slime():
+    # slime pads the concatenated zigzag chunks of each rank to a multiple of tp x 128.
+    padded = _rows("zigzag", LENS, 2, 16)
+    plain = _zigzag_by_definition(LENS, 2)
+    assert padded.shape[1] == 16 * -(-len(plain[0]) // 16)
+    assert [row[:len(plain[0])] for row in padded.tolist()] == plain
+    assert (padded[:, len(plain[0]):] == -1).all()
+
+
 @pytest.mark.parametrize("size, multiple", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 8)])
 def test_contiguous_tables_split_the_padded_stream(size, multiple):
     total = sum(LENS)
