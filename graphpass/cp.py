@@ -201,7 +201,7 @@ def _group(group):
 
 def _default_device(group) -> torch.device:
     """Where the tables live when the caller does not say: the current GPU for an NCCL group."""
-    if group is not None and torch.distributed.get_backend(group) == "nccl":
+    if group is not None and "nccl" in str(torch.distributed.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
