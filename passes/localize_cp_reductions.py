@@ -47,7 +47,7 @@ _SUM_OVER_RANKS = torch.ops.graphpass.cp_sum_over_ranks.default
 
 #: Reductions over the rows (over other dims they are row-wise), and sums by an index per row.
 _ROW_SUMS = {aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim}
-_SCATTERS = {aten.index_add.default, aten.scatter_add.default}
+_SCATTERS = {aten.index_add.default, aten.scatter_add.default, aten.scatter_reduce.two, aten.index_put.default}
 #: A range of the rows.
 _SLICES = {aten.slice.Tensor, aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default}
 #: Row-wise ops beyond the pointwise ones: views that keep the row dim first.
@@ -175,13 +175,16 @@ def _classify(node, row_values, splits):
             return "reduction", extent
         return ("row", extent) if _aligned(node, extent) else ("changes the row count", None)
     if target in _SCATTERS:
-        index, src = node.args[2], node.args[3]
-        if node.args[1] != 0 or any(a in row_values for a in (node.args[0], index)) or not isinstance(index, torch.fx.Node):
-            return "scatters along another dim, or by an unsharded index", None
+        why = _not_a_sum_by_index(node)
+        if why:
+            return why, None
+        index, src = _scatter_index(node), _scatter_source(node)
+        if node.args[0] in row_values or index in row_values or src not in row_values:
+            return "scatters by an unsharded index or into an unsharded base", None
         if not (_aligned(src, extent) and _aligned(index, extent)):
             return "scatters rows of another shape", None
-        if target is aten.scatter_add.default and not _torch_api.same_shape(index.meta["val"].shape,
-                                                                            src.meta["val"].shape):
+        if target is not aten.index_add.default and not _torch_api.same_shape(index.meta["val"].shape,
+                                                                              src.meta["val"].shape):
             return "scatters by an index of another shape than its source", None
         return "reduction", extent
     if not isinstance(val, torch.Tensor) or not _aligned(node, extent):
@@ -207,6 +210,30 @@ def _classify(node, row_values, splits):
                 return "broadcasts rows of another count", None
         return "row", extent
     return "is not known to be row-wise", None
+
+
+def _not_a_sum_by_index(node) -> str | None:
+    """Why a scatter is not a sum of rows by an index over dim 0 (None: it is)."""
+    if node.target is aten.index_put.default:
+        indices, accumulate = node.args[1], (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate"))
+        if not accumulate or len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+            return "puts values by index without accumulating, or by several indices"
+        return None
+    if node.args[1] != 0:
+        return "scatters along another dim"
+    if node.target is aten.scatter_reduce.two:
+        include_self = node.args[5] if len(node.args) > 5 else node.kwargs.get("include_self", True)
+        if node.args[4] != "sum" or not include_self:
+            return "scatters with another reduction than a sum into its base"
+    return None
+
+
+def _scatter_index(node):
+    return node.args[1][0] if node.target is aten.index_put.default else node.args[2]
+
+
+def _scatter_source(node):
+    return node.args[2] if node.target is aten.index_put.default else node.args[3]
 
 
 def _common_range(node, row_values):
@@ -454,11 +481,13 @@ def _partial(node, r, extent, rows, local, local_of, mask, fake_mode, graph):
     """This rank's share of reduction `r` over the rows of `extent`: the local rows that hold
     them reduced, the others (padding, rows outside a slice) left out."""
     if r.target in _SCATTERS:
-        src = local[r.args[3]] if r.args[3] in local else local_of(r.args[3], r)
-        index = local_of(r.args[2], r)
+        src = local[_scatter_source(r)]
+        index = local_of(_scatter_index(r), r)
         kept = node(aten.where.self, _row_mask(node, mask, src), src, node(aten.scalar_tensor.default, 0.0,
                                                                              dtype=src.meta["val"].dtype))
         base = node(aten.zeros_like.default, r.args[0])
+        if r.target is aten.index_put.default:
+            return node(r.target, base, [index], kept, True, like=r)
         return node(r.target, base, 0, index, kept, *r.args[4:], like=r, **r.kwargs)
     src = local[r.args[0]] if r.args[0] in local else local_of(r.args[0], r)
     zero = node(aten.scalar_tensor.default, 0.0, dtype=src.meta["val"].dtype)

@@ -88,17 +88,20 @@ def _mean_and_views(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, 
     per_column = scaled.mean(0)  # a mean over the rows of a [T, 2] value
     token_sum = (logp[:, None] * old_logp.unsqueeze(1)).sum(-1)  # a reduction over another dim stays row-wise
     scatter = seq_zeros.scatter_add(0, seq_ids, token_sum * mask)
+    scatter = scatter + seq_zeros.scatter_reduce(0, seq_ids, logp, "sum") + seq_zeros.index_put((seq_ids,), logp * 2,
+                                                                                             accumulate=True)
     # Unmasked: padding rows (a zero logit row's log-prob is -log V, not 0) must be left out.
     unmasked = logp.exp().sum() + seq_zeros.index_add(0, seq_ids, logp).square().sum()
     return per_column.sum() + (logp * mask).mean() + scatter.sum() + (adv * logp).sum(dtype=torch.float64) + unmasked
 
 
-def test_means_views_column_reductions_and_scatter_add_reduce_locally():
+def test_means_views_column_reductions_and_sums_by_index_reduce_locally():
     layout, data = _inputs(seed=1)
     record, compiled, eager = _run(_mean_and_views, layout, data)
     [cp_record] = record.cp
     assert cp_record.rewritten, cp_record
-    assert sorted(cp_record.reductions) == ["index_add", "mean", "mean", "scatter_add", "sum", "sum"]
+    assert sorted(cp_record.reductions) == ["index_add", "index_put", "mean", "mean", "scatter_add", "scatter_reduce",
+                                            "sum", "sum"]
     assert len(cp_record.collectives) == 1
     _assert_same(compiled, eager)
 
@@ -160,6 +163,11 @@ def _sequence_values_with_grad(layout, local_logits, tokens, old_logp, adv, mask
     return (logp * per_seq[seq_ids]).sum()  # d loss / d per_seq sums over every rank's rows
 
 
+def _scatter_max(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    logp = _logp(layout, local_logits, tokens)
+    return seq_zeros.scatter_reduce(0, seq_ids, logp, "amax").sum()
+
+
 def _broadcast_against_rows(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
     logp = _logp(layout, local_logits, tokens)
     return (logp[None, :] * mask[:, None]).sum()  # [T, T]: every row against every row
@@ -173,6 +181,7 @@ KEPT = [
     (_learnable_coefficient, ("seq_zeros",), "may carry a gradient"),
     (_sequence_values_with_grad, (), "index.Tensor"),
     (_broadcast_against_rows, (), "unsqueeze"),
+    (_scatter_max, (), "another reduction than a sum"),
 ]
 
 
