@@ -235,3 +235,25 @@ def test_the_report_says_how_the_unshards_communicate():
                     "all_reduce 32 B over 1 ranks, all_reduce 8 B over 1 ranks"], text
     kept, _, _ = _run(_cumsum, *_inputs())
     assert "unshard kept (an unsharded value reaches cumsum" in render_table(build_graph_report(kept, None))
+
+
+def test_cp_composes_with_the_lm_head_fusion():
+    """hidden @ W.T on the local rows: the lm_head site and the local reductions, both gradients exact."""
+    layout, data = _inputs(seed=5)
+    hidden = torch.randn(layout.local_row_count, 8, dtype=torch.float64)
+    weight = torch.randn(7, 8, dtype=torch.float64)
+
+    def head_and_loss(hidden, weight, *args):
+        logits = torch.nn.functional.linear(hidden, weight)
+        return cp_losses.cp_loss(cp_losses.gspo, layout, logits, *args)
+
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner="aot_eager")
+    results = []
+    for f in (torch.compile(head_and_loss, backend=backend), head_and_loss):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        value = f(h, w, *(data[k] for k in ARGS[1:]))
+        results.append((value, dict(zip("hw", torch.autograd.grad(value, [h, w])))))
+    [record] = backend.records
+    assert [s.lm_head for s in record.sites] == [True] and record.cp[0].rewritten, record
+    _assert_same(*results)
