@@ -49,3 +49,10 @@ def test_plan_skips_what_this_machine_cannot_run():
     assert lm_head._too_big(spec, args) is not None
     small = dataclasses.replace(spec, T=256, H=64, V=1024)
     assert lm_head._too_big(small, args) is None
+
+
+def test_alternating_ab_times_both_in_one_worker():
+    spec = lm_head.HeadSpec("ppo", "ab", T=64, H=16, V=128, dtype="fp32", steps=2)
+    r = lm_head.measure_ab(spec)
+    assert r["status"] == "ok" and len(r["pair_ratios"]) == 2 and r["ratio"] > 0
+    assert set(r["times"]) == {"inductor", "graphpass"}
