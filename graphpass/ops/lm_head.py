@@ -7,14 +7,17 @@ wide value is and where its gradient goes:
 
 - forward, per chunk: `logits_c = hidden_c @ W.T (+ b)`, then the region's forward kernel (its
   outputs and O(rows) row statistics, as for logits given as a tensor);
-- backward, per chunk: the logits recomputed the same way, the region's backward kernel writes
-  `dlogits_c` into one `[chunk, V]` scratch buffer, then `dhidden[rows_c] = dlogits_c @ W` in
-  place and `dW += dlogits_c.T @ hidden_c` (and `db += dlogits_c.sum(0)`) into fp32 accumulators,
-  one buffer each, converted to the weight's dtype once at the end (for an fp32 weight the
-  accumulator is the gradient).
+- backward, per block of rows: the block's logits recomputed the same way; the region's backward
+  kernel, per chunk of the block (a quarter), writes the chunk's `dlogits` into one scratch buffer,
+  copied back over the chunk's logits it has just read; then `dhidden[block] = dlogits @ W` in
+  place and `dW += dlogits.T @ hidden[block]` (and `db += dlogits.sum(0)`) into fp32
+  accumulators, one buffer each, converted to the weight's dtype once at the end (for an fp32
+  weight the accumulator is the gradient).
 
-So the backward's peak is the two gradients plus two `[chunk, V]` buffers (and for a bf16 weight
-its fp32 accumulator); a bf16 weight is multiplied as it is, never copied to fp32.
+So the backward's peak is the two gradients plus a block and a quarter of `[rows, V]` (and for a
+bf16 weight its fp32 accumulator, twice the gradient's bytes); a bf16 weight is multiplied as it
+is, never copied to fp32. The op does four GEMMs (forward, the recompute, dhidden, dW) where code
+that keeps the logits does three: the price of never storing them.
 """
 
 from __future__ import annotations
