@@ -4,8 +4,9 @@ A context-parallel loss (`graphpass.cp`) unshards its per-token values (`[T_loca
 all-gather) and then runs single-device code: row-wise math with replicated per-token tensors (old
 log-probs, advantages, masks) ending in reductions over tokens, a sum, a mean, or per-sequence sums
 (`index_add`, `scatter_add`, or a loop over `split` by sequence lengths, slime's per-sample mean),
-of all the rows or of a slice of them. Every rank then holds every row, though all it needs are
-the sums.
+of all the rows or of a slice of them, or of a `[B, S]` view of equal-length sequences (TRL's and
+verl's padded-batch losses: `.sum(-1)` per sequence, `.mean(0)` per position). Every rank then
+holds every row, though all it needs are the sums.
 
 This pass runs that row-wise math on the local rows instead (each replicated operand read at the
 local rows), reduces locally with padding rows (and the rows outside a slice) left out, and sums
@@ -101,9 +102,13 @@ class _Range:
 
     start: int
     length: object  # int, or the symbolic T of the whole range
+    cols: int | None = None
+    """None: dim 0 indexes the rows. S: the value is a `[B, S, ...]` view of the `B * S` rows
+    (equal-length sequences, one per row of dim 0), the per-sequence form of padded-batch losses."""
 
     def same(self, other) -> bool:
-        return self.start == other.start and _torch_api.known_equal(self.length, other.length)
+        return (self.start == other.start and _torch_api.known_equal(self.length, other.length)
+                and self.cols == other.cols)
 
 
 @dataclasses.dataclass
@@ -164,9 +169,13 @@ def _classify(node, row_values, splits):
     extent = _common_range(node, row_values)
     if extent is None:
         return "combines rows of different ranges", None
+    if extent.cols is not None:
+        return _classify_per_sequence(node, extent, row_values)
     if target in _SLICES:
         return _sliced(node, extent)
     val = node.meta.get("val")
+    if target in _RESHAPES and target is not aten.expand.default and _sequences_view(node, extent):
+        return "row", dataclasses.replace(extent, cols=val.shape[1])
     if target in _ROW_SUMS:
         if 0 in _reduced_dims(node):
             other = [node.args[0].meta["val"].shape[d] for d in _reduced_dims(node) if d != 0]
@@ -210,6 +219,60 @@ def _classify(node, row_values, splits):
                 return "broadcasts rows of another count", None
         return "row", extent
     return "is not known to be row-wise", None
+
+
+def _sequences_view(node, extent) -> bool:
+    """`rows.view(B, S, ...)`: the rows of a static range as B sequences of S tokens."""
+    x, val = node.args[0].meta["val"], node.meta["val"]
+    if not (isinstance(extent.length, int) and val.ndim == x.ndim + 1 and len(val.shape) >= 2):
+        return False
+    shape = list(val.shape)
+    return (all(isinstance(d, int) for d in shape) and shape[0] * shape[1] == extent.length
+            and list(x.shape[1:]) == shape[2:])
+
+
+def _classify_per_sequence(node, extent, row_values):
+    """`_classify` for a `[B, S, ...]` view of the rows: elementwise math with per-token `[B, S]`,
+    per-sequence `[B, 1]`, per-position `[S]` or broadcast operands, sums over the tokens of each
+    sequence (dim 1), over the sequences (dim 0) or both, and the view back to rows."""
+    target, val = node.target, node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return "mixes or changes the rows", None
+    src = node.args[0].meta["val"] if isinstance(node.args[0], torch.fx.Node) else None
+    if target in _RESHAPES and target is not aten.expand.default and src is not None and node.args[0] in row_values:
+        if _torch_api.known_equal(val.shape[0], extent.length) and list(val.shape[1:]) == list(src.shape[2:]):
+            return "row", dataclasses.replace(extent, cols=None)
+        return "reshapes a per-sequence view otherwise", None
+    if target in _ROW_SUMS:
+        dims = _reduced_dims(node)
+        if not dims & {0, 1}:
+            return "reduces only the trailing dims of a per-sequence view", None
+        return "reduction", extent
+    if target in catalogue.ELEMENTWISE or catalogue.is_deterministic_pointwise(target):
+        if list(val.shape[:2]) != [extent.length // extent.cols, extent.cols]:
+            return "broadcasts a per-sequence view to another shape", None
+        for operand in node.all_input_nodes:
+            v = operand.meta.get("val")
+            if operand in row_values:
+                if v.ndim != val.ndim:
+                    return "broadcasts the rows against another dim", None
+            elif isinstance(v, torch.Tensor) and _per_sequence_alignment(v, val) is None:
+                return "broadcasts an operand of another shape against a per-sequence view", None
+        return "row", extent
+    return "is not known to be row-wise (on a per-sequence view)", None
+
+
+def _per_sequence_alignment(operand, val) -> str | None:
+    """How an operand broadcasts against a `[B, S, ...]` view: per token ("rows"), per sequence
+    ("seq", `[B, 1, ...]`), per position in a sequence ("col", `[S, ...]` or `[1, S, ...]`),
+    or not along B and S at all ("bcast"); None if its sizes are not static."""
+    if not all(isinstance(d, int) for d in operand.shape):
+        return None
+    missing = val.ndim - operand.ndim
+    along_b = missing == 0 and operand.shape[0] != 1
+    along_s = missing <= 1 and operand.ndim > 1 - missing and operand.shape[1 - missing] != 1
+    return {(True, True): "rows", (True, False): "seq", (False, True): "col", (False, False): "bcast"}[
+        (along_b, along_s)]
 
 
 def _not_a_sum_by_index(node) -> str | None:
@@ -426,6 +489,8 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
             return a
         if a in local:
             return local[a]
+        if extent.cols is not None:
+            return per_sequence_operand(a, consumer, extent)
         key = (a, extent.start)
         if key not in reads and _aligned(a, extent) and a.meta["val"].ndim == _ndim(consumer, a):
             index = fill_rows
@@ -435,8 +500,43 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
             reads[key] = node(aten.index_select.default, a, 0, index, like=a)
         return reads.get(key, a)
 
+    def sequence_index(extent, of: str):
+        """Per local row: its row in `extent` ("rows"), its sequence ("seq") or its position in
+        its sequence ("col"), clamped into range (rows outside the range are left out later)."""
+        key = (extent.start, extent.length, extent.cols, of)
+        if key not in reads:
+            with graph.inserting_before(first_value):
+                index = node(aten.clamp.default, node(aten.sub.Tensor, fill_rows, extent.start), 0,
+                             max(0, extent.length - 1))
+                if of == "seq":
+                    index = node(aten.div.Tensor_mode, index, extent.cols, rounding_mode="floor")
+                elif of == "col":
+                    index = node(aten.remainder.Scalar, index, extent.cols)
+                reads[key] = index
+        return reads[key]
+
+    def per_sequence_operand(a, consumer, extent):
+        """A replicated operand of `[B, S, ...]` math, as `[T_local or 1, ...]` against the local rows."""
+        v, val = a.meta["val"], consumer.meta["val"]
+        how = _per_sequence_alignment(v, val) if isinstance(v, torch.Tensor) else None
+        if how is None:
+            return a
+        key = (a, extent.start, extent.length, extent.cols)
+        if key not in reads:
+            missing = val.ndim - v.ndim
+            trailing = list(v.shape[2 - missing:]) if missing < 2 else list(v.shape)
+            if how == "bcast":
+                reads[key] = a if missing >= 2 else node(aten.reshape.default, a, trailing or [])
+            else:
+                flat = node(aten.reshape.default, a, [-1, *trailing])
+                reads[key] = node(aten.index_select.default, flat, 0, sequence_index(extent, how), like=a)
+        return reads[key]
+
     for value, extent in plan.row_values.items():
         if value.target is _UNSHARD:
+            continue
+        if value.target in _RESHAPES and plan.row_values.get(value.args[0], extent).cols != extent.cols:
+            local[value] = local[value.args[0]]  # [T, ...] <-> [B, S, ...]: the local rows stay flat
             continue
         with graph.inserting_before(value):
             if value.target in _SLICES or value.target is operator.getitem:
@@ -455,7 +555,7 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
     for r, extent in plan.reductions.items():
         with graph.inserting_before(r):
             partials[r] = _partial(node, r, extent, rows, local, lambda a, c: local_of(a, c, extent), mask_of(extent),
-                                   fake_mode, graph)
+                                   lambda of: sequence_index(extent, of), fake_mode, graph)
 
     collectives = []
     for phase in sorted(set(plan.phase.values())):
@@ -477,9 +577,11 @@ def _rewrite(graph: torch.fx.Graph, plan: _Plan) -> list:
     return collectives
 
 
-def _partial(node, r, extent, rows, local, local_of, mask, fake_mode, graph):
+def _partial(node, r, extent, rows, local, local_of, mask, index_of, fake_mode, graph):
     """This rank's share of reduction `r` over the rows of `extent`: the local rows that hold
     them reduced, the others (padding, rows outside a slice) left out."""
+    if extent.cols is not None:
+        return _per_sequence_partial(node, r, local[r.args[0]], mask, index_of)
     if r.target in _SCATTERS:
         src = local[_scatter_source(r)]
         index = local_of(_scatter_index(r), r)
@@ -501,6 +603,34 @@ def _partial(node, r, extent, rows, local, local_of, mask, fake_mode, graph):
         part = node(aten.div.Tensor, part, count, like=r)
         if part.meta["val"].dtype != r.meta["val"].dtype:
             part = node(aten._to_copy.default, part, dtype=r.meta["val"].dtype)
+    return part
+
+
+def _per_sequence_partial(node, r, src, mask, index_of):
+    """This rank's share of a sum (mean) over dims of a `[B, S, ...]` view, from the flat local
+    rows `[T_local, ...]`: over both B and S a sum over the rows, over S alone a sum into each
+    row's sequence, over B alone into each row's position."""
+    dims, val = _reduced_dims(r), r.args[0].meta["val"]
+    x = node(aten.where.self, _row_mask(node, mask, src), src,
+             node(aten.scalar_tensor.default, 0.0, dtype=src.meta["val"].dtype))
+    if r.kwargs.get("dtype") is not None:
+        x = node(aten._to_copy.default, x, dtype=r.kwargs["dtype"])
+    trailing = sorted(d - 1 for d in dims if d >= 2)  # the view's dims after S, on the flat rows
+    if {0, 1} <= dims:
+        part = node(aten.sum.dim_IntList, x, [0, *trailing])
+    else:
+        if trailing:
+            x = node(aten.sum.dim_IntList, x, trailing)
+        of, size = ("seq", val.shape[0]) if 1 in dims else ("col", val.shape[1])
+        v = x.meta["val"]
+        part = node(aten.index_add.default, node(aten.zeros.default, [size, *v.shape[1:]], dtype=v.dtype,
+                                                 device=v.device), 0, index_of(of), x)
+    part = node(aten.reshape.default, part, list(r.meta["val"].shape))
+    if r.target in (aten.mean.default, aten.mean.dim):
+        count = node(aten.scalar_tensor.default, float(math.prod(val.shape[d] for d in dims)), dtype=torch.float64)
+        part = node(aten.div.Tensor, part, count, like=r)
+    if part.meta["val"].dtype != r.meta["val"].dtype:
+        part = node(aten._to_copy.default, part, dtype=r.meta["val"].dtype)
     return part
 
 

@@ -3,7 +3,7 @@
 A program unshards one or two local per-token values (a log-prob, a log-sum-exp), runs a random
 chain of row-wise ops with the rollout's replicated per-token tensors, reduces with random
 reductions over tokens (sum, mean, per-sequence index_add / scatter_add, a loop over `split` by
-sequence, a slice of the rows), sometimes reads the
+sequence, a slice of the rows, or `[B, S]` views of equal-length sequences), sometimes reads the
 per-sequence sums back per token for a second level (as GSPO and OPSM do), and sometimes ends in
 an op that needs every row. Compiled with graphpass it must equal eager, value and gradient, and
 be rewritten exactly when no such op is present. Hypothesis draws programs on one process (a
@@ -163,18 +163,25 @@ LENS = [7, 2, 11, 4]
 class _OneDevice:
     """The program on one device: the whole logits, no layout."""
 
+    def __init__(self, lens=LENS):
+        self.lens = lens
+
     def shifted_targets(self, tokens):
-        return cp_losses.shifted_targets(tokens, LENS)
+        return cp_losses.shifted_targets(tokens, self.lens)
 
     def unshard(self, y):
         return y
 
 
+PER_SEQUENCE = [(["exp_ratio", "times_seq_adv", "clip", "times_mask"], ["per_sequence_mean", "token_mean"]),
+                (["minus_col", "times_mask"], ["per_position_mean", "per_sequence_sum", "all_sum"])]
+
+
 def _on_ranks(rank, world, programs):
     import torch.distributed as dist
 
+    out = _per_sequence_on_ranks()
     data = cp_losses.rollout(LENS, 6, seed=5)
-    out = []
     for kind in ("zigzag", "allgather"):
         layout = getattr(cp.Layout, kind)(dist.group.WORLD, LENS)
         for program in programs:
@@ -191,7 +198,96 @@ def _on_ranks(rank, world, programs):
             value.backward()
             out.append(dict(program=program, kind=kind, loss=(value - ref).abs().item(),
                             grad=(local.grad - layout.shard(full.grad)).abs().max().item(),
-                            rewritten=[c.rewritten for r in backend.records for c in r.cp]))
+                            rewritten=[c.rewritten for r in backend.records for c in r.cp], expected=rewritten(program)))
+    return out
+
+
+# ---- the per-sequence form: [B, S] views of equal-length sequences (TRL's and verl's losses) --------
+SEQ_OPS = ("times_seq_adv", "minus_col", "times_mask", "exp_ratio", "clip")
+SEQ_REDUCTIONS = ("per_sequence_mean", "per_sequence_sum", "per_position_mean", "all_sum", "token_mean")
+
+
+def build_per_sequence(program, B, S):
+    ops, reductions = program
+
+    def loss(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+        v = layout.unshard(cp_losses.token_logprobs(local_logits, layout.shifted_targets(tokens))).view(B, S)
+        old, m, seq_adv = old_logp.view(B, S), mask.view(B, S), adv.view(B, S)[:, :1]  # [B, 1]
+        position = torch.linspace(-1, 1, S, dtype=v.dtype)  # [S]
+        for op in ops:
+            if op == "times_seq_adv":
+                v = v * seq_adv
+            elif op == "minus_col":
+                v = v - position
+            elif op == "times_mask":
+                v = v * m
+            elif op == "exp_ratio":
+                v = torch.exp((v - old).clamp(-5, 5))
+            else:
+                v = torch.min(v, v.clamp(-0.5, 0.5) * 1.5)
+        total = 0
+        for kind in reductions:
+            if kind == "per_sequence_mean":
+                total = total + ((v * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+            elif kind == "per_sequence_sum":
+                total = total + v.sum(dim=1, keepdim=True).square().sum()
+            elif kind == "per_position_mean":
+                total = total + (v.mean(0) * position).sum()
+            elif kind == "all_sum":
+                total = total + v.sum(dim=(0, 1))
+            else:
+                total = total + (v * m).sum() / m.sum().clamp(min=1)
+        return total
+
+    return loss
+
+
+per_sequence_programs = st.tuples(st.lists(st.sampled_from(SEQ_OPS), min_size=1, max_size=4),
+                                  st.lists(st.sampled_from(SEQ_REDUCTIONS), min_size=1, max_size=3))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(program=per_sequence_programs, B=st.integers(1, 4), S=st.integers(2, 7), seed=st.integers(0, 100))
+def test_random_per_sequence_programs_equal_eager_on_one_process(program, B, S, seed):
+    lens = [S] * B
+    data = cp_losses.rollout(lens, 6, seed=seed)
+    layout = cp.Layout.zigzag(None, lens)
+    fn = build_per_sequence(program, B, S)
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner="aot_eager")
+    results = []
+    for f in (torch.compile(fn, backend=backend), fn):
+        local = layout.shard(data["logits"]).requires_grad_()
+        loss = f(layout, local, *(data[k] for k in ARGS))
+        loss.backward()
+        results.append((loss.detach(), local.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-10)
+    [record] = backend.records
+    assert record.fallback_reason is None and record.cp[0].rewritten, record.cp
+
+
+def _per_sequence_on_ranks(B=3, S=7):
+    import torch.distributed as dist
+
+    lens = [S] * B
+    data = cp_losses.rollout(lens, 6, seed=6)
+    out = []
+    for kind in ("zigzag", "contiguous"):
+        layout = getattr(cp.Layout, kind)(dist.group.WORLD, lens)
+        for program in PER_SEQUENCE:
+            fn = build_per_sequence(program, B, S)
+            full = data["logits"].clone().requires_grad_()
+            ref = fn(_OneDevice(lens), full, *(data[k] for k in ARGS))
+            ref.backward()
+            torch._dynamo.reset()
+            backend = graphpass.Backend(inner="aot_eager")
+            local = layout.shard(data["logits"]).requires_grad_()
+            value = torch.compile(fn, backend=backend)(layout, local, *(data[k] for k in ARGS))
+            value.backward()
+            out.append(dict(program=program, kind=kind, loss=(value - ref).abs().item(),
+                            grad=(local.grad - layout.shard(full.grad)).abs().max().item(),
+                            rewritten=[c.rewritten for r in backend.records for c in r.cp], expected=True))
     return out
 
 
@@ -200,4 +296,4 @@ def test_random_programs_on_two_ranks_match_one_device():
     for rank, results in enumerate(per_rank):
         for r in results:
             assert r["loss"] <= 1e-10 * 10 and r["grad"] <= 1e-10, (rank, r)
-            assert r["rewritten"] == [rewritten(r["program"])], (rank, r)
+            assert r["rewritten"] == [r["expected"]], (rank, r)

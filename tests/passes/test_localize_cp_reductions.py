@@ -17,9 +17,9 @@ from graphpass import cp
 LENS = [5, 2, 8, 3]  # odd lengths: padding rows in the zigzag layout
 
 
-def _inputs(seed=0, requires=("local_logits",)):
-    data = cp_losses.rollout(LENS, 7, seed=seed)
-    layout = cp.Layout.zigzag(None, LENS)
+def _inputs(seed=0, requires=("local_logits",), lens=LENS):
+    data = cp_losses.rollout(lens, 7, seed=seed)
+    layout = cp.Layout.zigzag(None, lens)
     data["local_logits"] = layout.shard(data.pop("logits"))
     for name in requires:
         data[name] = data[name].clone().requires_grad_()
@@ -123,6 +123,42 @@ def test_split_loops_and_slices_of_the_rows_reduce_locally():
     assert cp_record.rewritten, cp_record
     assert cp_record.reductions.count("sum") == len(LENS) + 2 and "mean" in cp_record.reductions
     assert len(cp_record.collectives) == 1
+    _assert_same(compiled, eager)
+
+
+B, S = 4, 5  # equal-length sequences for the per-sequence [B, S] form
+
+
+def _trl_grpo(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    """TRL's GRPO loss on [B, S] views (per-token loss, per-sequence mean, mean over sequences)."""
+    logp = _logp(layout, local_logits, tokens).view(B, S)
+    old, m, advantages = old_logp.view(B, S), mask.view(B, S), adv.view(B, S)[:, 0]
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+    per_token_loss = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
+    per_token_loss = per_token_loss + 0.04 * (torch.exp(old - logp) - (old - logp) - 1)
+    loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    by_position = (logp * m).mean(0) * torch.arange(S, dtype=logp.dtype)  # [S]: over the sequences
+    return loss + by_position.sum() + logp.exp().sum(dim=(0, 1)) + logp.reshape(-1)[2:9].sum()
+
+
+def test_per_sequence_views_of_equal_length_sequences_reduce_locally():
+    layout, data = _inputs(seed=6, lens=[S] * B)
+    record, compiled, eager = _run(_trl_grpo, layout, data)
+    [cp_record] = record.cp
+    assert cp_record.rewritten and cp_record.reductions == ["sum", "mean", "sum", "sum"], cp_record
+    assert len(cp_record.collectives) == 1
+    _assert_same(compiled, eager)
+
+
+def _per_sequence_cumsum(layout, local_logits, tokens, old_logp, adv, mask, seq_ids, seq_zeros):
+    return (_logp(layout, local_logits, tokens).view(B, S).cumsum(-1) * mask.view(B, S)).sum()
+
+
+def test_a_per_sequence_view_read_across_tokens_keeps_the_unshard():
+    layout, data = _inputs(seed=7, lens=[S] * B)
+    record, compiled, eager = _run(_per_sequence_cumsum, layout, data)
+    assert not record.cp[0].rewritten and "per-sequence view" in record.cp[0].reason, record.cp
     _assert_same(compiled, eager)
 
 
