@@ -164,6 +164,19 @@ def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
+def fake_node(graph: torch.fx.Graph, fake_mode, target, args=(), kwargs=None, like=None) -> torch.fx.Node:
+    """A new node `target(*args, **kwargs)` at the graph's insertion point, with `like`'s meta (but
+    its value) and its own example value, computed on the arguments' fake values in `fake_mode`."""
+    kwargs = kwargs or {}
+    new = graph.call_function(target, tuple(args), kwargs)
+    if like is not None:
+        new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    vals = torch.fx.node.map_arg((tuple(args), kwargs), lambda n: n.meta["val"])
+    with fake_mode:
+        new.meta["val"] = target(*vals[0], **vals[1])
+    return new
+
+
 def float64_tensor_node(graph: torch.fx.Graph, scalar: torch.fx.Node, fake_mode) -> torch.fx.Node:
     """A node holding the runtime float `scalar` (a SymFloat) as a 0-d float64 tensor; `fake_mode`
     is the graph's, for the new nodes' example values.

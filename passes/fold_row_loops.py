@@ -34,7 +34,7 @@ import operator
 import torch
 import torch.fx
 
-from graphpass._torch_api import detect_fake_mode, same_shape, same_size
+from graphpass._torch_api import detect_fake_mode, fake_node, same_shape, same_size
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
 from graphpass.analysis.rowlocal import slice_span
@@ -405,12 +405,7 @@ class _Batcher:
 
     def node(self, target, args, kwargs, like, fake_mode=None):
         """A new node `target(*args, **kwargs)` with `like`'s meta and its own fake value."""
-        fake_mode = fake_mode or detect_fake_mode([like.meta["val"]])
-        new = self.graph.call_function(target, args, kwargs)
-        new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-        vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with fake_mode:
-            new.meta["val"] = target(*vals[0], **vals[1])
+        new = fake_node(self.graph, fake_mode or detect_fake_mode([like.meta["val"]]), target, args, kwargs, like)
         self.built.add(new)
         return new
 

@@ -79,13 +79,7 @@ def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
     first_value = next(iter(plan.row_values))
 
     def node(target, *args, like=None, **kwargs):
-        new = graph.call_function(target, args, kwargs)
-        if like is not None:
-            new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-        vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with fake_mode:
-            new.meta["val"] = target(*vals[0], **vals[1])
-        return new
+        return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, like)
 
     # Padding rows compute what one real local row computes (a copy of its values, detached), so
     # that no padding row can make an inf or NaN that the single-device program does not; the

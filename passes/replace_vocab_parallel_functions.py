@@ -159,13 +159,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     chunk = config.chunk_size or 0
 
     def node(target, *args, like=None, **kwargs):
-        new = graph.call_function(target, args, kwargs)
-        if like is not None:
-            new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-        vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with fake_mode:
-            new.meta["val"] = target(*vals[0], **vals[1])
-        return new
+        return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, like)
 
     with graph.inserting_before(like):
         rows = logits.meta["val"].shape[:-1]
