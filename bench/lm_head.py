@@ -314,7 +314,8 @@ def measure_ab(spec: HeadSpec) -> dict:
     batch = make_inputs(spec)
     args = [batch[k] for k in FIELDS]
     hidden, weight = batch["hidden"], batch["weight"]
-    fns = {m: build(dataclasses.replace(spec, method=m))[0] for m in ("inductor", "graphpass")}
+    built = {m: build(dataclasses.replace(spec, method=m)) for m in ("inductor", "graphpass")}
+    fns = {m: b[0] for m, b in built.items()}
 
     def step(fn):
         hidden.grad = weight.grad = None
@@ -329,7 +330,7 @@ def measure_ab(spec: HeadSpec) -> dict:
     pairs = [g / i for g, i in zip(times["graphpass"], times["inductor"])]
     return dict(status="ok", times=times, inductor_s=statistics.median(times["inductor"]),
                 graphpass_s=statistics.median(times["graphpass"]), ratio=statistics.median(pairs),
-                pair_ratios=pairs, load_avg_1m=os.getloadavg()[0])
+                pair_ratios=pairs, load_avg_1m=os.getloadavg()[0], notes=built["graphpass"][1]())
 
 
 def run_ab(args) -> list[dict]:
@@ -342,7 +343,8 @@ def run_ab(args) -> list[dict]:
         r.pop("reference_cache", None)
         out.append(r)
         if r["status"] == "ok":
-            print(f"A/B {_label(spec)}: graphpass {r['graphpass_s'] * 1e3:.0f} ms, inductor {r['inductor_s'] * 1e3:.0f} ms,"
+            print(f"A/B {_label(spec)}: graphpass {r['graphpass_s'] * 1e3:.0f} ms"
+                  f" (lm_head sites: {r['notes'].get('lm_head_sites')}), inductor {r['inductor_s'] * 1e3:.0f} ms,"
                   f" {r['ratio']:.2f} x (pairs {', '.join(f'{x:.2f}' for x in r['pair_ratios'])}; load {r['load_avg_1m']:.1f})",
                   flush=True)
         else:
@@ -446,7 +448,8 @@ def acceptance(results: list[dict], ab: list[dict] = ()) -> list[dict]:
         if all(r[k] == v for k, v in ACCEPTANCE.items()):
             ind = _find(results, r, "inductor")
             ratio = r["time_s"] / ind["time_s"] if ind else None
-            paired = next((a for a in ab if a.get("status") == "ok" and _same_config(a, r)), None)
+            paired = next((a for a in ab if a.get("status") == "ok" and _same_config(a, r)
+                           and a.get("notes", {}).get("lm_head_sites")), None)
             if paired is not None:
                 ratio = paired["ratio"]
             checks = dict(lm_head=r["notes"].get("lm_head_sites", 0) >= 1, parity=r["parity"] <= 1e-4,
