@@ -333,3 +333,41 @@ def test_shifted_logits_of_a_batch_reach_the_head():
     site, record = _site(_parity(fn, _batch(3, 6), backend))
     assert site.lm_head and site.hidden_shape == (3, 5, H)
     assert "linear" not in record.graph_module.code
+
+
+# ---- the analysis on tiny captured graphs -----------------------------------------------------------
+def _heads(fn, *args):
+    from graphpass.analysis.grad_flow import grad_modes
+    from graphpass.analysis.lm_head import match_lm_head
+    from graphpass.analysis.regions import find_regions
+    from graphpass.capture import capture_function
+
+    gm = capture_function(fn, *args).gm
+    (region,), _ = find_regions(gm)
+    modes = grad_modes(gm.graph)
+    found = [match_lm_head(region, n, modes) for n in region.inputs if n.op == "call_function"]
+    return gm, [f for f in found if f != (None, None)]
+
+
+def test_analysis_finds_hidden_weight_and_bias():
+    hidden, weight, tokens, *_, bias = _batch(T, bias=True)
+
+    def fn(hidden, weight, bias, tokens):
+        return (torch.log_softmax(F.linear(hidden, weight, bias).float(), -1).gather(-1, tokens[:, None]).sum(),)
+
+    gm, [(head, why)] = _heads(fn, hidden, weight, bias, tokens)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert why is None and head.hidden in placeholders and head.weight in placeholders and head.bias in placeholders
+    assert not head.weight_transposed and head.hidden_size == H
+    assert head.nodes[0] is head.logits and head.logits.target is torch.ops.aten.linear.default
+
+
+def test_analysis_says_why_not():
+    hidden, weight, tokens, *_ = _batch(T)
+
+    def two_readers(hidden, weight, tokens):
+        logits = hidden @ weight.t()
+        return (torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).sum(), logits.amax())
+
+    _, [(head, why)] = _heads(two_readers, hidden, weight, tokens)
+    assert head is None and "also" in why
