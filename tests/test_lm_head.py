@@ -371,3 +371,19 @@ def test_analysis_says_why_not():
 
     _, [(head, why)] = _heads(two_readers, hidden, weight, tokens)
     assert head is None and "also" in why
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float64_sums_in_float64(bias):
+    """The weight's and bias's gradients are summed over chunks in fp32 at least: float64 stays float64."""
+    tensors = [t.double() if t.is_floating_point() else t for t in _batch(T, bias=bias)]
+    tensors = [t.detach().requires_grad_(t.is_floating_point() and i in (0, 1, 6)) for i, t in enumerate(tensors)]
+    def fn(hidden, weight, tokens, old_logp, adv, mask, *bias):  # no .float(): float64 throughout
+        logp_all = torch.log_softmax(F.linear(hidden, weight, *bias) / 0.7, -1)
+        logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return -(logp * adv).sum() + 0.1 * (entropy * mask).sum()
+
+    backend = graphpass.Backend(chunk_size=3, inner="aot_eager")
+    site, _ = _site(_parity(fn, tensors, backend, atol=1e-12, rtol=1e-12))
+    assert site.lm_head and site.dtype == torch.float64

@@ -226,7 +226,9 @@ class RegionProgram:
         in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
         summed = [i for i in wanted if i not in in_place]
         sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
-        totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape, dtype=torch.float32,
+        # fp32 at least: a float64 input sums in float64.
+        totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape,
+                              dtype=torch.promote_types(tensors[i].dtype, torch.float32),
                               device=tensors[i].device) for i in summed]
         kernel = self._get_backward_kernel(active, wanted)
         for sl, args in self._chunks(tensors, rows, blocks, chunk):

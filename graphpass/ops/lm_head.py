@@ -81,7 +81,7 @@ class LinearHeadProgram(RegionProgram):
         kernel = 4 * _TEMPORARIES_PER_CHUNK[self.inner] / (self.SUB_CHUNKS if backward else 1)
         if not backward:
             return itemsize + kernel
-        upcast = 4 if itemsize != 4 else 0  # the block's fp32 copy for the weight's gradient
+        upcast = 4 if itemsize < 4 else 0  # the block's fp32 copy for the weight's gradient
         return itemsize * (1 + 1 / self.SUB_CHUNKS) + upcast + kernel
 
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
@@ -98,7 +98,7 @@ class LinearHeadProgram(RegionProgram):
         a weight that is not fp32, the weight's fp32 accumulator)."""
         block = self.block_rows(rows, vocab, grad_itemsize, backward)
         total = int(block * vocab * self._bytes_per_row(grad_itemsize, backward))
-        if backward and grad_itemsize != 4:
+        if backward and grad_itemsize < 4:
             total += vocab * self.head.hidden_size * 4
         return total
 
@@ -169,11 +169,13 @@ class _HeadGradients:
         if needs_grad[head.position]:
             self.hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
             self.hidden_flat = self.hidden_grad.view(rows, hidden.shape[-1])
+        # fp32 at least: a float64 weight sums in float64.
+        self.acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         if needs_grad[head.weight]:
             # Written by the first block's product, accumulated into by the others.
-            self.weight_acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+            self.weight_acc = torch.empty(weight.shape, dtype=self.acc_dtype, device=weight.device)
         if head.bias is not None and needs_grad[head.bias]:
-            self.bias_acc = torch.zeros(self.bias.shape, dtype=torch.float32, device=weight.device)
+            self.bias_acc = torch.zeros(self.bias.shape, dtype=self.acc_dtype, device=weight.device)
         self.first_block = True
 
     def logits(self, sl):
@@ -205,10 +207,11 @@ class _HeadGradients:
             # [block, V] @ [V, H], straight into the block's rows of the gradient.
             torch.mm(dlogits, self.weight.t() if transposed else self.weight, out=self.hidden_flat[rows])
         if self.weight_acc is not None or self.bias_acc is not None:
-            wide = dlogits.float()  # the same tensor for fp32; a block-sized copy for bf16
+            acc = self.acc_dtype
+            wide = dlogits.to(acc)  # the same tensor for fp32 and float64; a block-sized copy for bf16
             if self.weight_acc is not None:
                 # dW [V, H] += dlogits.T @ h, or for an [H, V] weight dW += h.T @ dlogits
-                left, right = (hidden_block.t().float(), wide) if transposed else (wide.t(), hidden_block.float())
+                left, right = (hidden_block.t().to(acc), wide) if transposed else (wide.t(), hidden_block.to(acc))
                 if self.first_block:
                     torch.mm(left, right, out=self.weight_acc)
                 else:
