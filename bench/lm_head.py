@@ -224,7 +224,7 @@ def reference(spec: HeadSpec, batch: dict, budget_bytes: int = GiB // 2) -> dict
         n = part[1].sum().clamp(min=1).double() if spec.workload == "ppo" else torch.tensor(float(h.shape[0])).double()
         block = fn(h, weight, *[p.double() if p.is_floating_point() else p for p in part]) * (n / denominator)
         block.backward()
-        loss += float(block)
+        loss += float(block.detach())
         hidden_grads.append(h.grad)
     return dict(loss=loss, hidden=torch.cat(hidden_grads), weight=weight.grad)
 
