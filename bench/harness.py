@@ -141,6 +141,17 @@ def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send, measure_
     send.send(_measure_or_error(spec, measure_fn or measure))
 
 
+def fill_device_and_memory_limit(args) -> None:
+    """`args.device` (None: cuda when present) and `args.mem_limit_gib` (None: 80 % of RAM or GPU memory)."""
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.mem_limit_gib is None:
+        total = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else total_ram_bytes()
+        args.mem_limit_gib = 0.8 * total / GiB
+
+
 def provenance() -> dict:
     """The commit measured and the files that differed from it (graphpass, passes, bench)."""
     import subprocess

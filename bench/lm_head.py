@@ -34,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import GiB, CpuMeter, CudaMeter, _timed, machine_description, run_isolated, total_ram_bytes
+from bench.harness import (GiB, CpuMeter, CudaMeter, _timed, fill_device_and_memory_limit, machine_description,
+                           run_isolated)
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = ("ppo", "ce")
@@ -553,13 +554,7 @@ def parse_args(argv=None):
                    help="also time graphpass against inductor in one worker, steps alternating (fair on a shared CPU)")
     p.add_argument("--ab-steps", type=int, default=5, help="alternating steps per method with --ab")
     args = p.parse_args(argv)
-    import torch
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.mem_limit_gib is None:
-        total = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else total_ram_bytes()
-        args.mem_limit_gib = 0.8 * total / GiB
+    fill_device_and_memory_limit(args)
     return args
 
 

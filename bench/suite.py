@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench import report
-from bench.harness import GiB, Spec, machine_description, run_isolated, total_ram_bytes
+from bench.harness import GiB, Spec, fill_device_and_memory_limit, machine_description, run_isolated
 from bench.methods import METHODS
 from bench.workloads import Workload
 
@@ -182,13 +182,7 @@ def parse_args(argv=None):
     p.add_argument("--no-model", action="store_true", help="predict from measured ratios only")
     p.add_argument("--timeout", type=float, default=300, help="base seconds per worker before it is killed")
     args = p.parse_args(argv)
-    import torch
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.mem_limit_gib is None:
-        total = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else total_ram_bytes()
-        args.mem_limit_gib = 0.8 * total / GiB
+    fill_device_and_memory_limit(args)
     return args
 
 
