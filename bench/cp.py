@@ -46,7 +46,7 @@ from bench.harness import machine_description, provenance
 
 METHODS = ("slime", "unshard", "graphpass")
 LOSSES = cp_losses.LOSSES + (cp_losses.LOGGED,)
-LAYOUTS = ("zigzag", "allgather")
+LAYOUTS = ("zigzag", "contiguous", "allgather")
 RUN_CP = (2, 4)
 COUNTED_CP = (8,)
 ARGS = ("old_logp", "adv", "mask", "seq_ids", "seq_zeros")
