@@ -22,8 +22,8 @@ import operator
 
 import torch
 
-from graphpass._torch_api import (detect_fake_mode, float64_tensor_node, known_equal, new_fake_mode, size_hint,
-                                  stable_topological_sort)
+from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_node, known_equal, new_fake_mode,
+                                  size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
 from graphpass.analysis.lm_head import LmHead, match_lm_head
@@ -98,10 +98,7 @@ def _split_reduced_losses(graph: torch.fx.Graph) -> None:
         new = []
 
         def call(target_op, *op_args, **kwargs):
-            out = graph.call_function(target_op, op_args, kwargs)
-            with fake_mode:
-                out.meta["val"] = target_op(*torch.fx.node.map_arg(op_args, lambda n: n.meta["val"]),
-                                            **torch.fx.node.map_arg(kwargs, lambda n: n.meta["val"]))
+            out = fake_node(graph, fake_mode, target_op, op_args, kwargs)
             for key in ("stack_trace", "graphpass.grad_flows"):
                 if key in node.meta:
                     out.meta[key] = node.meta[key]

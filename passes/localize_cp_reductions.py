@@ -10,10 +10,10 @@ holds every row, though all it needs are the sums.
 
 This pass runs that row-wise math on the local rows instead (each replicated operand read at the
 local rows), reduces locally with padding rows (and the rows outside a slice) left out, and sums
-the partial results
-over the group: one `cp_sum_over_ranks` for all the reductions that do not depend on one another
-(a GSPO or OPSM loss, whose token math reads per-sequence values, needs a second). Its backward is
-`unshard`'s: each rank's loss is the whole loss, so no gradient crosses ranks.
+the partial results over the group: one `cp_sum_over_ranks` for all the reductions that do not
+depend on one another (a GSPO or OPSM loss, whose token math reads per-sequence values, needs a
+second). Its backward is `unshard`'s: each rank's loss is the whole loss, so no gradient crosses
+ranks.
 
 All or nothing, per graph: if anything reads an unsharded value otherwise (a graph output, an op
 that mixes rows, rows of another layout), or an operand of the row-wise math may carry a gradient
@@ -37,6 +37,7 @@ from graphpass.analysis.cp_rows import (RESHAPES, SCATTERS, SLICES, UNSHARD, Can
                                         scatter_index, scatter_source)
 from graphpass.analysis.regions import source_of
 from graphpass.ops.cp import sum_over_ranks_bytes
+from graphpass.ops.groups import rank_and_size
 from graphpass.records import CollectiveRecord, CpRecord
 
 aten = torch.ops.aten
@@ -91,7 +92,7 @@ def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
                          node(aten.clamp_min.default, node(aten.index_select.default, rows.local_rows, 0, first), 0))
         local = {u: node(aten.where.self, _row_mask(node, valid, u.args[0]), u.args[0],
                          node(aten.detach.default, node(aten.index_select.default, u.args[0], 0, first)))
-                 for u, extent in plan.row_values.items() if u.target is UNSHARD}
+                 for u in plan.row_values if u.target is UNSHARD}
     masks, reads = {}, {}
 
     def whole(extent) -> bool:
@@ -119,16 +120,15 @@ def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
             return per_sequence_operand(a, consumer, extent)
         key = (a, extent.start)
         if key not in reads and aligned(a, extent) and a.meta["val"].ndim == row_operand_ndim(consumer, a):
-            index = fill_rows
-            if not whole(extent):  # row i of `a` is global row start + i
-                index = node(aten.clamp.default, node(aten.sub.Tensor, fill_rows, extent.start), 0,
-                             max(0, extent.length - 1))
-            reads[key] = node(aten.index_select.default, a, 0, index, like=a)
+            reads[key] = node(aten.index_select.default, a, 0, row_index(extent, "rows"), like=a)
         return reads.get(key, a)
 
-    def sequence_index(extent, of: str):
-        """Per local row: its row in `extent` ("rows"), its sequence ("seq") or its position in
-        its sequence ("col"), clamped into range (rows outside the range are left out later)."""
+    def row_index(extent, of: str):
+        """Per local row: its row in `extent` ("rows": row i of a value is global row start + i),
+        its sequence ("seq") or its position in its sequence ("col"), clamped into range (rows
+        outside the range are left out later)."""
+        if of == "rows" and whole(extent):
+            return fill_rows
         key = (extent.start, extent.length, extent.cols, of)
         if key not in reads:
             with graph.inserting_before(first_value):
@@ -155,7 +155,7 @@ def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
                 reads[key] = a if missing >= 2 else node(aten.reshape.default, a, trailing or [])
             else:
                 flat = node(aten.reshape.default, a, [-1, *trailing])
-                reads[key] = node(aten.index_select.default, flat, 0, sequence_index(extent, how), like=a)
+                reads[key] = node(aten.index_select.default, flat, 0, row_index(extent, how), like=a)
         return reads[key]
 
     for value, extent in plan.row_values.items():
@@ -181,7 +181,7 @@ def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
     for r, extent in plan.reductions.items():
         with graph.inserting_before(r):
             partials[r] = _partial(node, r, extent, rows, local, lambda a, c: local_of(a, c, extent), mask_of(extent),
-                                   lambda of: sequence_index(extent, of), fake_mode, graph)
+                                   lambda of: row_index(extent, of), fake_mode, graph)
 
     collectives = []
     for phase in sorted(set(plan.phase.values())):
@@ -189,7 +189,7 @@ def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
         last = members[-1]
         with graph.inserting_after(partials[last]):
             summed = node(_SUM_OVER_RANKS, [partials[r] for r in members], rows.group_name, like=last)
-        collectives.append(CollectiveRecord("all_reduce", _group_size(rows.group_name),
+        collectives.append(CollectiveRecord("all_reduce", rank_and_size(rows.group_name)[2],
                                             _hint_bytes([partials[r].meta["val"] for r in members])))
         for i, r in enumerate(members):
             with graph.inserting_after(summed):
@@ -209,17 +209,13 @@ def _partial(node, r, extent, rows, local, local_of, mask, index_of, fake_mode, 
     if extent.cols is not None:
         return _per_sequence_partial(node, r, local[r.args[0]], mask, index_of)
     if r.target in SCATTERS:
-        src = local[scatter_source(r)]
+        kept = _kept(node, mask, local[scatter_source(r)])
         index = local_of(scatter_index(r), r)
-        kept = node(aten.where.self, _row_mask(node, mask, src), src, node(aten.scalar_tensor.default, 0.0,
-                                                                             dtype=src.meta["val"].dtype))
         base = node(aten.zeros_like.default, r.args[0])
         if r.target is aten.index_put.default:
             return node(r.target, base, [index], kept, True, like=r)
         return node(r.target, base, 0, index, kept, *r.args[4:], like=r, **r.kwargs)
-    src = local[r.args[0]] if r.args[0] in local else local_of(r.args[0], r)
-    zero = node(aten.scalar_tensor.default, 0.0, dtype=src.meta["val"].dtype)
-    kept = node(aten.where.self, _row_mask(node, mask, src), src, zero)
+    kept = _kept(node, mask, local[r.args[0]])
     if r.target in (aten.sum.default, aten.mean.default):
         part = node(aten.sum.default, kept, **r.kwargs)
     else:
@@ -237,8 +233,7 @@ def _per_sequence_partial(node, r, src, mask, index_of):
     rows `[T_local, ...]`: over both B and S a sum over the rows, over S alone a sum into each
     row's sequence, over B alone into each row's position."""
     dims, val = reduced_dims(r), r.args[0].meta["val"]
-    x = node(aten.where.self, _row_mask(node, mask, src), src,
-             node(aten.scalar_tensor.default, 0.0, dtype=src.meta["val"].dtype))
+    x = _kept(node, mask, src)
     if r.kwargs.get("dtype") is not None:
         x = node(aten._to_copy.default, x, dtype=r.kwargs["dtype"])
     trailing = sorted(d - 1 for d in dims if d >= 2)  # the view's dims after S, on the flat rows
@@ -258,6 +253,12 @@ def _per_sequence_partial(node, r, src, mask, index_of):
     if part.meta["val"].dtype != r.meta["val"].dtype:
         part = node(aten._to_copy.default, part, dtype=r.meta["val"].dtype)
     return part
+
+
+def _kept(node, mask, src):
+    """`src` on the local rows in `mask`, zero on the others (by `where`: a NaN there stays out)."""
+    zero = node(aten.scalar_tensor.default, 0.0, dtype=src.meta["val"].dtype)
+    return node(aten.where.self, _row_mask(node, mask, src), src, zero)
 
 
 def _row_mask(node, valid, src):
@@ -284,12 +285,6 @@ def _reduction_name(r) -> str:
     return r.target.__name__.split(".")[0]
 
 
-def _group_size(group_name: str) -> int:
-    if not group_name:
-        return 1
-    return _torch_api.resolve_process_group(group_name).size()
-
-
 def _hint_bytes(partials) -> int:
     with _torch_api.new_fake_mode():
         concrete = [torch.empty([_torch_api.size_hint(s) for s in p.shape], dtype=p.dtype) for p in partials]
@@ -299,4 +294,4 @@ def _hint_bytes(partials) -> int:
 def _unshard_record(u) -> CollectiveRecord:
     y = u.args[0].meta["val"]
     rows = _torch_api.size_hint(y.numel())
-    return CollectiveRecord("all_gather", _group_size(u.args[3]), rows * y.dtype.itemsize)
+    return CollectiveRecord("all_gather", rank_and_size(u.args[3])[2], rows * y.dtype.itemsize)

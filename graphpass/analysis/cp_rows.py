@@ -79,6 +79,8 @@ class Plan:
 
 
 def plan_localization(gm, example_inputs, unshards) -> Plan:
+    """What runs on local rows from `unshards` (every `cp_unshard` of `gm`), and what sums it;
+    raises `CantLocalize` with the reason when the unshards must stay whole."""
     rows = _layout_of(unshards)
     carries = _may_carry_gradient(gm, example_inputs, unshards)
     total = unshards[0].meta["val"].shape[0]
@@ -103,7 +105,7 @@ def plan_localization(gm, example_inputs, unshards) -> Plan:
                     and not (node.target in SCATTERS and operand is node.args[0]):
                 raise CantLocalize(f"{describe(operand)} ({source_of(node)}) may carry a gradient into the loss's "
                                    "row-wise math: on local rows each rank would get only its share of it")
-    return Plan(rows, total, row_values, splits, reductions, _phases(list(reductions)))
+    return Plan(rows, total, row_values, splits, reductions, _phases(gm.graph, reductions))
 
 
 def _layout_of(unshards) -> Rows:
@@ -375,26 +377,18 @@ def row_operand_ndim(node, operand) -> int:
     return val.ndim
 
 
-def _phases(reductions) -> dict:
+def _phases(graph, reductions) -> dict:
     """How many sums over ranks each reduction waits for: 0 unless its rows read values computed
-    from another reduction (GSPO's per-sequence ratio, OPSM's sequence mask)."""
-    phase = {}
-    for r in reductions:
-        earlier = [p for p in reductions if p in phase and _depends_on(r, p)]
-        phase[r] = 1 + max((phase[p] for p in earlier), default=-1)
+    from another reduction (GSPO's per-sequence ratio, OPSM's sequence mask). One pass in graph
+    order: a node waits for as many sums as the most any input waits for, a reduction's result for
+    one more."""
+    waits, phase = {}, {}
+    for node in graph.nodes:
+        waits[node] = max((waits[i] for i in node.all_input_nodes), default=0)
+        if node in reductions:
+            phase[node] = waits[node]
+            waits[node] += 1
     return phase
-
-
-def _depends_on(node, other) -> bool:
-    seen, stack = set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n is other:
-            return True
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return False
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -23,12 +23,12 @@ import torch.distributed
 from graphpass.ops.groups import all_gather, rank_and_size
 
 
-def _take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`x[rows]` along dim 0, zero where `rows` is -1."""
+def _take_rows(x: torch.Tensor, rows: torch.Tensor, fill=0) -> torch.Tensor:
+    """`x[rows]` along dim 0, `fill` where `rows` is -1."""
     valid = rows >= 0
     picked = x.index_select(0, rows.clamp_min(0))
     shape = (-1,) + (1,) * (x.ndim - 1)
-    return torch.where(valid.view(shape), picked, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(valid.view(shape), picked, torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
 def _put_rows(grad: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
@@ -72,8 +72,7 @@ def cp_shifted_targets(tokens: torch.Tensor, next_rows: torch.Tensor, ignore_ind
     """The next token of each local row within its sequence, `ignore_index` at a sequence's last
     token and on padding; `tokens` is the global `[T]` stream, the same on every rank (so no
     communication: a target across a shard boundary is read from the replicated tokens)."""
-    picked = tokens.index_select(0, next_rows.clamp_min(0))
-    return torch.where(next_rows >= 0, picked, torch.full((), ignore_index, dtype=tokens.dtype, device=tokens.device))
+    return _take_rows(tokens, next_rows, ignore_index)
 
 
 @cp_shifted_targets.register_fake
