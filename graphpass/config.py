@@ -28,6 +28,13 @@ class Config:
     report: bool = False
     """Print the memory-savings table for every compiled graph (also GRAPHPASS_REPORT=1)."""
 
+    gradients_in_forward: bool = True
+    """Where an lm_head site's loss is a sum of per-token terms (`graphpass.analysis.summed_loss`),
+    compute its gradients in the forward pass, while each chunk's logits are at hand, instead of
+    recomputing the logits in backward: three GEMMs instead of four. The gradients then exist from
+    the forward on; False recomputes them in backward (a forward with grad that is never
+    backpropagated then costs no GEMMs for them)."""
+
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip, e.g. ("chunk_rowwise_regions_pass",) to run the graph unrewritten.
 
@@ -45,4 +52,6 @@ class Config:
             raise ValueError(
                 f"graphpass: inner must be one of {', '.join(INNER_COMPILERS)}; got {self.inner!r}"
             )
+        if not isinstance(self.gradients_in_forward, bool):
+            raise ValueError(f"graphpass: gradients_in_forward must be True or False, got {self.gradients_in_forward!r}")
         object.__setattr__(self, "disable_passes", check_pass_names(self.disable_passes))

@@ -103,7 +103,8 @@ def _is_chunked_op(target) -> bool:
     """The chunked op or the memory model's stand-in for its backward (both take the key first;
     the other graphpass ops, such as the vocab-parallel op, do not)."""
     name = target.name() if _torch_api.is_aten_overload(target) else ""
-    return name in ("graphpass::rowwise_chunked", "graphpass_memory::chunked_backward")
+    return name in ("graphpass::rowwise_chunked", "graphpass::rowwise_chunked_with_gradients",
+                    "graphpass_memory::chunked_backward")
 
 
 class _Sites:

@@ -16,7 +16,8 @@ class OutputRecord:
     """One narrow output of a rewritten region."""
 
     kind: str
-    """What it computes: "logprob", "entropy", or "rowwise" when not recognised."""
+    """What it computes: "logprob", "entropy", "rowwise" when not recognised, or "loss": the sum
+    a site that computes its gradients in forward returns (`SiteRecord.gradients_in_forward`)."""
     keeps_grad: bool
     """False when its gradient cannot reach a differentiable output: computed forward-only."""
     temperature: str | None = None
@@ -77,6 +78,12 @@ class SiteRecord:
     forward_workspace_bytes: int | None = None
     """Transient bytes of the forward, when they differ from `workspace_bytes` (which is then the
     backward's); None: the same."""
+    gradients_in_forward: bool = False
+    """True when the op also takes in the per-token loss math up to one sum over the rows and
+    computes every gradient in its forward pass (`graphpass.analysis.summed_loss`): its backward
+    only scales them. Its first output is then that sum."""
+    recompute_reason: str | None = None
+    """Why an lm_head site's backward recomputes the logits instead (None: it does not)."""
 
     @property
     def grads_kept(self) -> list[bool]:

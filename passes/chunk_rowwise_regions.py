@@ -16,6 +16,7 @@ The program behind the key runs the same ops on `[chunk, V]` slices; see `graphp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -28,6 +29,7 @@ from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
 from graphpass.analysis.lm_head import LmHead, match_lm_head
 from graphpass.analysis.regions import Region, find_regions, source_of
+from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
 from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.ops.lm_head import HeadSpec, LinearHeadProgram
@@ -47,30 +49,76 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     regions, rejected = find_regions(gm)
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     built = []
     for region in regions:  # build and label every region before the graph changes under them
-        head = _lm_head(region, modes, record)
         try:
-            try:
-                program, input_nodes = _build_program(region, config, head)
-            except RegionRejected as e:
-                if head is None:
-                    raise
-                # The region alone may still be rewritten, reading the logits as today.
-                _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
-                head = None
-                program, input_nodes = _build_program(region, config, None)
+            site = _build_site(region, config, modes, order, record)
         except RegionRejected as e:
             record.rejected.append(Candidate(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
-        record.sites.append(_site_record(region, program, input_nodes, head))
-        built.append((region, program, input_nodes, head))
-    for region, program, input_nodes, head in built:
-        _replace(gm.graph, region, program, input_nodes, head)
+        record.sites.append(_site_record(region, site))
+        built.append(site)
+    for site in built:
+        _replace(gm.graph, site)
     # An output may be used before the region's last node; move such users after the op.
     stable_topological_sort(gm.graph)
     return gm
+
+
+@dataclasses.dataclass
+class _Site:
+    """What replaces one region: its program, the op's input nodes, and what it took in."""
+
+    region: Region
+    """The nodes the op replaces (with `loss`, the region and its loss math)."""
+    program: RegionProgram
+    input_nodes: list
+    head: LmHead | None = None
+    loss: SummedLoss | None = None
+    """The per-token loss math and its sum, when the op computes its gradients in forward."""
+    recompute_reason: str | None = None
+
+
+def _build_site(region: Region, config, modes, order, record) -> _Site:
+    """The richest rewrite of `region` that builds: with its lm_head and its loss math, with its
+    lm_head alone, or the region alone (each fallback's reason recorded)."""
+    head = _lm_head(region, modes, record)
+    loss, why = None, None
+    if head is not None:
+        if config.gradients_in_forward:
+            loss, why = match_summed_loss(region, modes, order)
+        else:
+            why = "gradients_in_forward=False"
+    if loss is not None:
+        extended = _with_loss(region, loss, order)
+        try:
+            program, input_nodes = _build_program(extended, config, head, loss)
+            try:
+                program.prepare_gradients_in_forward(_needs_grad(input_nodes))
+            except Exception as e:  # noqa: BLE001 - a kernel that does not trace is not used
+                raise RegionRejected(f"its backward kernel does not trace: {type(e).__name__}: {e}") from None
+            return _Site(extended, program, input_nodes, head, loss)
+        except RegionRejected as e:
+            why = f"the region with its loss math does not build: {e}"
+    if head is not None:
+        try:
+            return _Site(region, *_build_program(region, config, head), head, recompute_reason=why)
+        except RegionRejected as e:
+            # The region alone may still be rewritten, reading the logits as today.
+            _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
+    return _Site(region, *_build_program(region, config))
+
+
+def _with_loss(region: Region, loss: SummedLoss, order) -> Region:
+    """`region` grown by its loss math: its first output the summand (summed by the op), then
+    every value still read outside, gradient-free (`match_summed_loss` checked)."""
+    nodes = sorted([*region.nodes, *loss.nodes], key=order.__getitem__)
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    escapes = [n for n in nodes if any(u not in inside and u is not loss.total for u in n.users)]
+    return Region(region.anchor, nodes, region.rows, loss.layouts, inputs, [loss.summand, *escapes], loss.place)
 
 
 _REDUCED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
@@ -162,10 +210,11 @@ def _static_width(width):
     raise RegionRejected(f"the width {width} along the vocabulary is symbolic")
 
 
-def _build_program(region: Region, config, head: LmHead | None = None):
+def _build_program(region: Region, config, head: LmHead | None = None, loss: SummedLoss | None = None):
     """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram, or
     with `head` a LinearHeadProgram whose op reads the hidden states where the region reads the
-    logits, and the weight and bias after the region's inputs."""
+    logits, and the weight and bias after the region's inputs. With `loss`, the region's first
+    output is the summand of `loss.total`, the only output that keeps a gradient."""
     graph = torch.fx.Graph()
     env, specs, input_nodes = {}, [], []
     for node in region.inputs:
@@ -185,13 +234,17 @@ def _build_program(region: Region, config, head: LmHead | None = None):
         env[node] = rowlocal.emit(graph, node, env, region.layouts)
     graph.output(tuple(env[o] for o in region.outputs))
     outputs = []
-    for o in region.outputs:
+    for j, o in enumerate(region.outputs):
         val = o.meta["val"]
         lay = region.layouts[o]
         if not isinstance(val, torch.Tensor):
             raise RegionRejected(f"output {o.name} is not a tensor")
-        keeps = grad_flows(o) is not False
-        outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, keeps))
+        if loss is None:
+            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, grad_flows(o) is not False))
+        elif j == 0:  # the summand: the op returns its total
+            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, 0, True, loss.reduction))
+        else:
+            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, False))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
     options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
@@ -211,8 +264,8 @@ def _build_program(region: Region, config, head: LmHead | None = None):
             program = LinearHeadProgram(module, specs, outputs, head=spec, **options)
     except Exception as e:  # noqa: BLE001 - a program whose joint does not trace is not rewritten
         raise RegionRejected(f"its per-chunk forward+backward does not trace: {type(e).__name__}: {e}") from None
-    chunked_op.register(program)
-    return program, input_nodes
+    # The registered program: one built earlier from the same content is the one the op runs.
+    return chunked_op.program(chunked_op.register(program)), input_nodes
 
 
 def _index_checks(region, input_nodes):
@@ -265,24 +318,38 @@ def _size_node(graph, size, input_nodes):
     raise RegionRejected(f"cannot express output size {size} from the region's inputs")
 
 
-def _replace(graph, region: Region, program, input_nodes, head: LmHead | None = None):
+def _replace(graph, site: _Site):
+    region, program, input_nodes, head, loss = site.region, site.program, site.input_nodes, site.head, site.loss
     inside = set(region.nodes)
+    per_row = region.outputs[1:] if loss is not None else region.outputs
     with graph.inserting_before(region.place.next):
-        sizes = [_size_node(graph, s, input_nodes) for o in region.outputs for s in o.meta["val"].shape]
+        sizes = [_size_node(graph, s, input_nodes) for o in per_row for s in o.meta["val"].shape]
         wide = input_nodes[program.wide_input_positions[0]].meta["val"]
         fake_mode = detect_fake_mode([wide])
         tensors = [n if isinstance(n.meta["val"], torch.Tensor) else float64_tensor_node(graph, n, fake_mode)
                    for n in input_nodes]
-        op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
-        with fake_mode:
-            op.meta["val"] = [o.meta["val"] for o in region.outputs] + program.empty_saved(wide)
+        if loss is None:
+            op = graph.call_function(torch.ops.graphpass.rowwise_chunked.default, (program.key, tensors, sizes))
+            with fake_mode:
+                op.meta["val"] = [o.meta["val"] for o in region.outputs] + program.empty_saved(wide)
+        else:
+            needs_grad = _needs_grad(input_nodes)
+            op = graph.call_function(torch.ops.graphpass.rowwise_chunked_with_gradients.default,
+                                     (program.key, tensors, sizes, needs_grad))
+            with fake_mode:
+                op.meta["val"] = [loss.total.meta["val"], *[o.meta["val"] for o in per_row],
+                                  *[torch.empty_like(n.meta["val"]) for n, need in zip(tensors, needs_grad) if need],
+                                  torch.empty((), dtype=torch.int64)]
         if region.anchor.meta.get("stack_trace"):
             op.meta["stack_trace"] = region.anchor.meta["stack_trace"]
         op.meta["graphpass.program"] = program.key
-        for i, out in enumerate(region.outputs):
+        replaced = [loss.total, *per_row] if loss is not None else region.outputs
+        for i, out in enumerate(replaced):
             item = graph.call_function(operator.getitem, (op, i))
             item.meta.update(out.meta)
             out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+    if loss is not None:
+        graph.erase_node(loss.total)
     for node in reversed(region.nodes):
         graph.erase_node(node)
     if head is not None:  # the logits' metadata checks, then the matmul; the weight's `t` is dead code
@@ -290,23 +357,36 @@ def _replace(graph, region: Region, program, input_nodes, head: LmHead | None = 
             graph.erase_node(node)
 
 
-def _site_record(region: Region, program: RegionProgram, input_nodes, head: LmHead | None = None) -> SiteRecord:
+def _needs_grad(nodes) -> list[bool]:
+    """Per op input: whether a gradient from the graph's outputs reaches it (`tag_grad_flow_pass`)."""
+    return [grad_flows(n) is True and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].is_floating_point()
+            for n in nodes]
+
+
+def _site_record(region: Region, site: _Site) -> SiteRecord:
+    """`region`: the region as found (its outputs name the site); `site`: what replaces it."""
     from graphpass.analysis.recognize import label_output
 
-    outputs = []
-    for node, spec in zip(region.outputs, program.outputs):
-        label = label_output(node)
-        outputs.append(OutputRecord(label.kind, spec.keeps_grad, label.temperature))
+    program, input_nodes, head, loss = site.program, site.input_nodes, site.head, site.loss
+    labels = [label_output(node) for node in region.outputs]
+    if loss is None:
+        outputs = [OutputRecord(label.kind, spec.keeps_grad, label.temperature)
+                   for label, spec in zip(labels, program.outputs)]
+    else:
+        outputs = [OutputRecord("loss", True)] + [OutputRecord(label_output(node).kind, False)
+                                                  for node in site.region.outputs[1:]]
     wide = (head.logits if head is not None else input_nodes[program.wide_input_positions[0]]).meta["val"]
     vocab = size_hint(wide.shape[-1])
     rows = size_hint(wide.numel()) // vocab if vocab else 0
     itemsize = wide.dtype.itemsize
     extra = {}
     if head is not None:
+        forward_workspace = program.workspace_bytes(rows, vocab, itemsize, backward=loss is not None)
         extra = dict(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
-                     forward_workspace_bytes=program.workspace_bytes(rows, vocab, itemsize, backward=False))
+                     forward_workspace_bytes=forward_workspace, gradients_in_forward=loss is not None,
+                     recompute_reason=site.recompute_reason)
     return SiteRecord(
-        kind="+".join(o.kind for o in outputs),
+        kind="+".join(label.kind for label in labels),
         source=source_of(region.anchor),
         shape=tuple(wide.shape),
         dtype=wide.dtype,

@@ -76,12 +76,14 @@ def test_ppo_from_hidden_fuses_the_matmul(chunk_size):
     records = _parity(ppo_from_hidden, _batch(T), backend)
     site, record = _site(records)
     assert site.lm_head and site.shape == (T, V) and site.hidden_shape == (T, H)
-    assert sorted(o.kind for o in site.outputs) == ["entropy", "logprob"]
+    # The loss is a masked sum of per-token terms: the op takes it in (tests/test_gradients_in_forward.py).
+    assert site.kind == "logprob+entropy" and site.gradients_in_forward
+    assert [o.kind for o in site.outputs] == ["loss"]
     code = record.graph_module.code
     assert "linear" not in code and "mm" not in code and "log_softmax" not in code
     # The op reads the hidden states and the weight, never a [T, V] tensor.
     (op,) = [n for n in record.graph_module.graph.nodes
-             if n.target is torch.ops.graphpass.rowwise_chunked.default]
+             if n.target is torch.ops.graphpass.rowwise_chunked_with_gradients.default]
     shapes = [tuple(a.meta["val"].shape) for a in op.args[1]]
     assert (T, H) in shapes and (V, H) in shapes and not any(s[-1:] == (V,) and len(s) == 2 and s[0] == T
                                                              for s in shapes)

@@ -33,6 +33,11 @@ WIDE, ROW, BCAST, SCALAR = Role.WIDE, Role.ROW, Role.BCAST, Role.SCALAR
 _TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
 
+# Part of every program's key, so that a compiled graph cached on disk by an older graphpass,
+# whose ops returned other outputs, is never reused: bump it when an op's outputs change.
+OPS_FORMAT = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     role: Role
@@ -46,6 +51,9 @@ class OutputSpec:
     dtype: torch.dtype
     rank: int  # rank of the output in the user's graph, to restore its shape
     keeps_grad: bool
+    reduction: str | None = None
+    """"sum" or "mean": the op returns the 0-d total of this per-row output over all rows, of
+    `dtype` (only in `forward_with_gradients`, see `graphpass.analysis.summed_loss`)."""
 
 
 class RegionProgram:
@@ -67,6 +75,7 @@ class RegionProgram:
                                                        if spec.dtype.is_floating_point])
         self._forward_kernel = None
         self._backward_kernels: dict[tuple, object] = {}
+        self._backward_graphs: dict[tuple, torch.fx.GraphModule] = {}  # traced ahead, compiled on first use
 
     def _content_key(self) -> str:
         # Content-addressed, so a compiled graph cached on disk by another process can only
@@ -76,7 +85,7 @@ class RegionProgram:
 
     def _identity(self) -> tuple:
         """Everything that makes this program compute what it computes (its key hashes it)."""
-        return (self.graph_module.code, self.inputs, self.outputs,
+        return (OPS_FORMAT, self.graph_module.code, self.inputs, self.outputs,
                 self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks)
 
     @property
@@ -107,6 +116,13 @@ class RegionProgram:
         outs = [torch.empty(shape, dtype=spec.dtype, device=wide.device)
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
         return outs + self.empty_saved(wide)
+
+    def fake_outputs_with_gradients(self, tensors, out_sizes, needs_grad):
+        """Empty outputs of `forward_with_gradients`: outputs (a reduced one 0-d), then gradients."""
+        device = tensors[self.wide_input_positions[0]].device
+        outs = [torch.empty(() if spec.reduction else shape, dtype=spec.dtype, device=device)
+                for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
+        return outs + [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
 
     def empty_saved(self, wide):
         """Empty buffers, one row per row of the wide input `wide`, for the saved row statistics."""
@@ -206,6 +222,69 @@ class RegionProgram:
         graph_module.recompile()
         return _torch_api.compile_kernel(graph_module, self.inner)
 
+    # ---- forward and backward in one pass ------------------------------------------------
+    def forward_with_gradients(self, tensors, out_sizes, needs_grad):
+        """The outputs (a reduced one as its 0-d total), then the gradient of each input flagged in
+        `needs_grad` for a total whose gradient is 1: each chunk's backward kernel runs right
+        after its forward kernel, on the same wide values, so nothing is recomputed later."""
+        rows, vocab, blocks = self._layout(tensors)
+        self._check_token_ids(tensors, vocab)
+        wide = tensors[self.wide_input_positions[0]]
+        device = wide.device
+        reduced = [j for j, spec in enumerate(self.outputs) if spec.reduction is not None]
+        if len(reduced) != 1 or any(spec.keeps_grad for j, spec in enumerate(self.outputs) if j not in reduced):
+            raise RuntimeError("graphpass: a program computes its gradients in forward for one total only")
+        (total_at,) = reduced
+        total_spec = self.outputs[total_at]
+        outs = [None if spec.reduction else torch.empty(rows, spec.width, dtype=spec.dtype, device=device)
+                for spec in self.outputs]
+        # Chunk totals summed in float64: the loss rounds once, like a single sum.
+        acc_dtype = torch.float64
+        total = torch.zeros((), dtype=acc_dtype, device=device)
+        wanted = self._kernel_wanted(needs_grad)
+        grads = [None] * len(tensors)
+        if rows:
+            count = rows * total_spec.width
+            seed = torch.full((rows, total_spec.width), 1.0 if total_spec.reduction == "sum" else 1.0 / count,
+                              dtype=total_spec.dtype, device=device)
+            forward_kernel = self._get_forward_kernel()
+            backward_kernel = self._get_backward_kernel((total_at,), wanted) if wanted else None
+            chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
+            in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
+            summed = [i for i in wanted if i not in in_place]
+            sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
+            totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape,
+                                  dtype=torch.promote_types(tensors[i].dtype, torch.float32), device=device)
+                      for i in summed]
+            n = len(self.outputs)
+            with torch.no_grad():
+                for sl, args in self._chunks(tensors, rows, blocks, chunk):
+                    kernel_args = self._kernel_args(tensors, args, sl, sinks)
+                    values = forward_kernel(*kernel_args)
+                    for j, value in enumerate(values[:n]):
+                        if j == total_at:
+                            total += value.sum(dtype=acc_dtype)
+                        else:
+                            outs[j][sl] = value
+                    if backward_kernel is None:
+                        continue
+                    chunk_sums = backward_kernel(*kernel_args, *values[n:], seed[sl], *[s.slot(sl) for s in sinks])
+                    for sink in sinks:
+                        sink.take(sl, args)
+                    for acc, g in zip(totals, chunk_sums):
+                        acc += g
+            for sink in sinks:
+                sink.finish(grads)
+            for i, acc in zip(summed, totals):
+                grads[i] = acc.reshape(tensors[i].shape).to(tensors[i].dtype)
+        if total_spec.reduction == "mean":
+            total /= rows * total_spec.width  # no rows: nan, the mean of nothing, as torch's
+        outs[total_at] = total.to(total_spec.dtype)
+        result = [o if j == total_at else o.reshape(shape)
+                  for j, (o, shape) in enumerate(zip(outs, self._split_sizes(out_sizes)))]
+        return result + [torch.zeros_like(t) if g is None else g
+                         for t, g, need in zip(tensors, grads, needs_grad) if need]
+
     # ---- backward ----------------------------------------------------------------------
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """Gradients for `tensors` (None where not needed), recomputed chunk by chunk."""
@@ -261,8 +340,18 @@ class RegionProgram:
     def _get_backward_kernel(self, active, wanted):
         key = (active, wanted)
         if key not in self._backward_kernels:
-            self._backward_kernels[key] = self._compile(self.split.backward(active, wanted))
+            graph = self._backward_graphs.pop(key, None) or self.split.backward(active, wanted)
+            self._backward_kernels[key] = self._compile(graph)
         return self._backward_kernels[key]
+
+    def prepare_gradients_in_forward(self, needs_grad) -> None:
+        """Trace now (at compile time) the backward kernel `forward_with_gradients` runs: traced
+        lazily, it would be traced inside the compiled forward, where autograd is dispatched below."""
+        (total_at,) = [j for j, spec in enumerate(self.outputs) if spec.reduction is not None]
+        wanted = self._kernel_wanted(needs_grad)
+        key = ((total_at,), wanted)
+        if wanted and key not in self._backward_kernels and key not in self._backward_graphs:
+            self._backward_graphs[key] = self.split.backward(*key)
 
 
 class _GradBuffer:

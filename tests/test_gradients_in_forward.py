@@ -1,0 +1,226 @@
+"""An lm_head site whose loss is one sum of per-token terms computes its gradients in forward.
+
+The op takes in the per-token loss math up to the sum (`graphpass.analysis.summed_loss`), computes
+hidden's, the weight's (and any other input's) gradients while each chunk's logits are at hand,
+and its backward scales them by the sum's gradient. Parity with eager of the loss and of every
+input's gradient: scaled losses, a second backward through a retained graph, a gradient from
+elsewhere added, sum and mean, cross-entropy, masks, bias, bf16, an input of the loss math that
+requires grad. Where the gradient is not one sum's, the backward recomputes the logits, and the
+site says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphpass
+from graphpass.analysis.summed_loss import match_summed_loss  # noqa: F401 - the module under test
+
+T, H, V = 29, 8, 37
+CLIP = 0.2
+
+
+def _batch(rows=T, dtype=torch.float32, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype).requires_grad_()
+    tokens = torch.randint(0, V, (rows,), generator=g)
+    old_logp = -torch.rand(rows, generator=g) * 3
+    adv = torch.randn(rows, generator=g)
+    mask = (torch.rand(rows, generator=g) < 0.8).float()
+    tensors = [hidden, weight, tokens, old_logp, adv, mask]
+    if bias:
+        tensors.append((torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_())
+    return tensors
+
+
+def _logprob_entropy(logits, tokens, temperature=0.7):
+    logp_all = torch.log_softmax(logits.float() / temperature, -1)
+    logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def ppo(hidden, weight, tokens, old_logp, adv, mask, ent_coef=0.0):
+    logp, entropy = _logprob_entropy(F.linear(hidden, weight), tokens)
+    ratio = torch.exp(logp - old_logp)
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+    count = mask.sum().clamp(min=1)
+    return (pg * mask).sum() / count - ent_coef * (entropy * mask).sum() / count
+
+
+def _clone(tensors):
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _run(fn, tensors, backend, seeds=(None,), retain=False):
+    """Loss and every input's gradient after `backward(seed)` for each seed, compiled and eager."""
+    results = []
+    for compiled, inputs in ((True, tensors), (False, _clone(tensors))):
+        loss = (torch.compile(fn, backend=backend) if compiled else fn)(*inputs)
+        for i, seed in enumerate(seeds):
+            loss.backward(None if seed is None else torch.tensor(seed, dtype=loss.dtype),
+                          retain_graph=retain and i + 1 < len(seeds))
+        results.append((loss.detach(), [t.grad for t in inputs if t.requires_grad]))
+    return results
+
+
+def _check(fn, tensors, backend=None, atol=1e-5, rtol=1e-5, **kwargs):
+    backend = backend or graphpass.Backend(chunk_size=4, inner="aot_eager")
+    (loss, grads), (ref, ref_grads) = _run(fn, tensors, backend, **kwargs)
+    torch.testing.assert_close(loss.float(), ref.float(), atol=atol, rtol=rtol)
+    assert len(grads) == len(ref_grads)
+    for mine, theirs in zip(grads, ref_grads):
+        assert mine is not None and mine.dtype == theirs.dtype
+        torch.testing.assert_close(mine.float(), theirs.float(), atol=atol, rtol=rtol)
+    (record,) = backend.records
+    assert record.fallback_reason is None
+    (site,) = record.sites
+    return site, record
+
+
+def _op_targets(record):
+    return {n.target for n in record.graph_module.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, None])
+def test_ppo_gradients_come_from_the_forward(chunk_size):
+    backend = graphpass.Backend(chunk_size=chunk_size, inner="aot_eager")
+    site, record = _check(ppo, _batch(), backend)
+    assert site.lm_head and site.gradients_in_forward and site.recompute_reason is None
+    assert [o.kind for o in site.outputs] == ["loss", "entropy"]  # entropy: computed, gradient-free
+    assert torch.ops.graphpass.rowwise_chunked_with_gradients.default in _op_targets(record)
+    assert torch.ops.graphpass.rowwise_chunked.default not in _op_targets(record)
+
+
+def test_entropy_gradient_in_the_same_sum():
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logp, entropy = _logprob_entropy(F.linear(hidden, weight), tokens)
+        return ((logp * adv - 0.01 * entropy) * mask).sum() / mask.sum()
+
+    site, _ = _check(fn, _batch())
+    assert site.gradients_in_forward
+
+
+def test_an_entropy_bonus_summed_apart_recomputes():
+    # Two masked means: two sums of the rows, each its own gradient (not yet combined).
+    assert "2 sums" in _recomputed(lambda *t: ppo(*t, ent_coef=0.01))
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("seed", [3.0, -0.5, 0.0])
+def test_the_backward_scales_by_the_loss_gradient(seed, inner):
+    site, _ = _check(ppo, _batch(), graphpass.Backend(chunk_size=4, inner=inner), seeds=(seed,))
+    assert site.gradients_in_forward
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_second_backward_through_a_retained_graph_is_right_or_refused(inner):
+    """The gradients were handed out (and may be a .grad) after the first backward: a second one
+    either gets fresh ones (aot_eager's functional copy) or a clear error, never rescales them."""
+    tensors = _batch()
+    ref_tensors = _clone(tensors)
+    loss = torch.compile(ppo, backend=graphpass.Backend(chunk_size=4, inner=inner))(*tensors)
+    ref = ppo(*ref_tensors)
+    for seed in (2.0, 0.25):
+        ref.backward(torch.tensor(seed), retain_graph=True)
+    try:
+        loss.backward(torch.tensor(2.0), retain_graph=True)
+        loss.backward(torch.tensor(0.25))
+    except RuntimeError as e:
+        # Ours, or inductor's own refusal to retain a graph whose backward reuses saved buffers.
+        assert "gradients_in_forward=False" in str(e) or "retain_graph=False" in str(e)
+        assert inner == "inductor"
+        return
+    for mine, theirs in zip(tensors[:2], ref_tensors[:2]):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_scaled_loss_and_a_gradient_from_elsewhere():
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        return 2.5 * ppo(hidden, weight, tokens, old_logp, adv, mask) / 7 + (hidden ** 2).mean() + weight.sum()
+
+    site, _ = _check(fn, _batch())
+    assert site.gradients_in_forward
+
+
+def test_a_mean_and_a_bias():
+    def fn(hidden, weight, tokens, old_logp, adv, mask, bias):
+        logp, _ = _logprob_entropy(F.linear(hidden, weight, bias), tokens, 1.0)
+        return -(logp * adv).mean()
+
+    site, _ = _check(fn, _batch(bias=True))
+    assert site.gradients_in_forward
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy(reduction):
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        targets = torch.where(mask > 0, tokens, -100)
+        return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction=reduction)
+
+    site, _ = _check(fn, _batch())
+    assert site.gradients_in_forward
+
+
+def test_an_input_of_the_loss_math_that_requires_grad():
+    tensors = _batch()
+    tensors[4].requires_grad_()  # the advantages: its gradient is computed in forward too
+    site, _ = _check(ppo, tensors)
+    assert site.gradients_in_forward
+
+
+def test_bf16():
+    site, _ = _check(ppo, _batch(dtype=torch.bfloat16), atol=2e-2, rtol=2e-2)
+    assert site.gradients_in_forward
+
+
+def _recomputed(fn, tensors=None, **backend_options):
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager", **backend_options)
+    site, _ = _check(fn, tensors or _batch(), backend)
+    assert site.lm_head and not site.gradients_in_forward
+    return site.recompute_reason
+
+
+def test_two_sums_recompute():
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logp, entropy = _logprob_entropy(F.linear(hidden, weight), tokens)
+        return -(logp * adv).sum() / (0.1 + (entropy * mask).sum())  # a quotient of two sums
+
+    assert "2 sums" in _recomputed(fn)
+
+
+def test_per_sequence_sums_recompute():
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logp, _ = _logprob_entropy(F.linear(hidden, weight), tokens)
+        per_seq = logp[:28].view(4, 7).sum(-1)
+        return -(torch.exp(per_seq / 7) * adv[:4]).mean()  # GSPO-like: a nonlinear function of a sum
+
+    assert _recomputed(fn) is not None
+
+
+def test_a_returned_log_prob_recomputes():
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logp, _ = _logprob_entropy(F.linear(hidden, weight), tokens)
+        return -(logp * adv).sum() + 0 * logp.mean() + logp.square().sum()
+
+    assert "2 sums" in _recomputed(fn)
+
+
+def test_option_off_recomputes():
+    assert _recomputed(ppo, gradients_in_forward=False) == "gradients_in_forward=False"
+
+
+def test_no_gradient_no_fusion():
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    tensors = [t.detach() for t in _batch()]
+    out = torch.compile(ppo, backend=backend)(*tensors)
+    torch.testing.assert_close(out, ppo(*tensors))
+    (site,) = backend.records[0].sites
+    assert site.lm_head and not site.gradients_in_forward
+
+
+def test_inductor_parity():
+    site, _ = _check(ppo, _batch(), graphpass.Backend(chunk_size=8))
+    assert site.gradients_in_forward
