@@ -267,12 +267,16 @@ class RegionProgram:
                         else:
                             outs[j][sl] = value
                     if backward_kernel is None:
+                        del kernel_args, values
                         continue
                     chunk_sums = backward_kernel(*kernel_args, *values[n:], seed[sl], *[s.slot(sl) for s in sinks])
                     for sink in sinks:
                         sink.take(sl, args)
                     for acc, g in zip(totals, chunk_sums):
                         acc += g
+                    # Views of the chunk's wide values: the next chunk may start a new block, and
+                    # the finished block must be freed before that one is allocated.
+                    del kernel_args, values
             for sink in sinks:
                 sink.finish(grads)
             for i, acc in zip(summed, totals):

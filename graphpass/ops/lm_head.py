@@ -58,7 +58,7 @@ class LinearHeadProgram(RegionProgram):
     # The backward multiplies blocks of rows (its GEMMs are faster for more rows) and runs the
     # region's kernel on quarter blocks: the kernel writes a quarter block's dlogits into a scratch
     # buffer, copied back over the logits it has just read, so one block plus a quarter is alive.
-    SUB_CHUNKS = 4
+    SUB_CHUNKS = 8
 
     def floor_bytes(self, rows: int, vocab: int, itemsize: int) -> int:
         """Bytes of the gradients the backward must produce: hidden's and the weight's."""
@@ -115,13 +115,17 @@ class LinearHeadProgram(RegionProgram):
             views.append(t.reshape(rows, t.shape[-1]))
         return rows, vocab, [(0, rows, views)]
 
-    def _logits(self, tensors, hidden_chunk):
+    def _logits(self, tensors, hidden_chunk, out=None):
+        """`hidden_chunk @ W.T (+ b)`, into `out` ([rows, V]) when given."""
         head = self.head
         weight = tensors[head.weight]
+        bias = tensors[head.bias] if head.bias is not None else None
+        if hidden_chunk.device.type == "cpu":
+            return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
         right = weight if head.weight_transposed else weight.t()
-        if head.bias is None:
-            return torch.mm(hidden_chunk, right)
-        return torch.addmm(tensors[head.bias], hidden_chunk, right)
+        if bias is None:
+            return torch.mm(hidden_chunk, right, out=out)
+        return torch.addmm(bias, hidden_chunk, right, out=out)
 
     def _kernel_args(self, tensors, args, sl, sinks=()):
         args = list(args)
@@ -147,6 +151,30 @@ class LinearHeadProgram(RegionProgram):
         return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block)
 
 
+# Vocabulary entries per tile of `_logits_by_vocab_tiles`: a tile's `[tile, rows]` product stays
+# in cache while it is copied into the logits.
+_VOCAB_TILE = 2048
+
+
+def _logits_by_vocab_tiles(hidden, weight, bias, weight_transposed, out=None):
+    """`hidden @ W.T (+ bias)` as `[rows, V]`, computed a vocabulary tile at a time as
+    `(W[tile] @ hidden.T).T`: for a block of a few hundred rows MKL multiplies the weight as the
+    left operand about 30 % faster than `hidden @ W.T` (0.77 s against 1.10 s for T=1920, H=1024,
+    V=32768 in 160-row blocks, fp32, 2 cores), and each tile's transpose is a copy in cache."""
+    vocab = weight.shape[1] if weight_transposed else weight.shape[0]
+    if out is None:
+        out = torch.empty(hidden.shape[0], vocab, dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, vocab, _VOCAB_TILE):
+        stop = min(vocab, start + _VOCAB_TILE)
+        tile = weight[:, start:stop].t() if weight_transposed else weight[start:stop]
+        if bias is None:
+            product = torch.mm(tile, hidden.t())
+        else:
+            product = torch.addmm(bias[start:stop, None], tile, hidden.t())
+        out[:, start:stop].copy_(product.t())
+    return out
+
+
 class _HeadGradients:
     """The head's gradients, block by block. For each block of rows: its logits, recomputed;
     the kernel's chunks within it, each writing its dlogits into a scratch buffer that is copied
@@ -163,7 +191,7 @@ class _HeadGradients:
         self.hidden = hidden.reshape(rows, hidden.shape[-1])
         self.rows, self.block = rows, max(1, block // chunk) * chunk  # whole chunks: none crosses a block
         self.start = self.stop = 0  # rows of the block whose logits are in `self.values`
-        self.values = None
+        self.values = self.buffer = None
         self.scratch = torch.empty(min(chunk, rows), vocab, dtype=hidden.dtype, device=hidden.device)
         self.hidden_grad = self.weight_acc = self.bias_acc = None
         if needs_grad[head.position]:
@@ -183,8 +211,11 @@ class _HeadGradients:
         if not self.start <= sl.start < self.stop:
             self._flush()
             self.start, self.stop = sl.start, min(self.rows, sl.start + self.block)
-            self.values = None  # freed before the next block is allocated
-            self.values = self.program._logits(self.tensors, self.hidden[self.start:self.stop])
+            if self.buffer is None:  # one block's buffer, reused by every block
+                self.buffer = torch.empty(min(self.block, self.rows), self.scratch.shape[1],
+                                          dtype=self.scratch.dtype, device=self.scratch.device)
+            self.values = self.program._logits(self.tensors, self.hidden[self.start:self.stop],
+                                               out=self.buffer[:self.stop - self.start])
         if sl.stop > self.stop:
             raise RuntimeError("graphpass: an lm_head chunk crosses its block")  # chunks divide blocks
         return self.values[sl.start - self.start:sl.stop - self.start]
@@ -204,8 +235,14 @@ class _HeadGradients:
         hidden_block = self.hidden[rows]
         transposed = self.head.weight_transposed
         if self.hidden_grad is not None:
-            # [block, V] @ [V, H], straight into the block's rows of the gradient.
-            torch.mm(dlogits, self.weight.t() if transposed else self.weight, out=self.hidden_flat[rows])
+            # [block, V] @ [V, H] into the block's rows of the gradient. On the CPU as
+            # (W.T @ dlogits.T).T: MKL streams the weight faster as the left operand (0.79 s
+            # against 0.92 s for T=1920, H=1024, V=32768 in 160-row blocks, fp32, 2 cores).
+            weight = self.weight.t() if transposed else self.weight
+            if dlogits.device.type == "cpu":
+                self.hidden_flat[rows].copy_(torch.mm(weight.t(), dlogits.t()).t())
+            else:
+                torch.mm(dlogits, weight, out=self.hidden_flat[rows])
         if self.weight_acc is not None or self.bias_acc is not None:
             acc = self.acc_dtype
             wide = dlogits.to(acc)  # the same tensor for fp32 and float64; a block-sized copy for bf16
@@ -223,6 +260,7 @@ class _HeadGradients:
 
     def finish(self, grads):
         self._flush()
+        self.buffer = self.scratch = None
         if self.first_block and self.weight_acc is not None:  # no rows at all: nothing was written
             self.weight_acc.zero_()
         head = self.head
