@@ -55,6 +55,10 @@ class Result:
     fallbacks: tuple[str, ...] = ()
     """Fallback reasons of graphs that ran unchanged."""
     seconds: float = 0.0
+    lm_head_sites: int = 0
+    """Sites that computed the logits from the hidden states (`SiteRecord.lm_head`)."""
+    gradients_in_forward: int = 0
+    """Sites that computed their gradients in forward (`SiteRecord.gradients_in_forward`)."""
 
 
 # ---- running one program --------------------------------------------------------------------------
@@ -192,7 +196,7 @@ def check_source(source: str, name: str = "program", inner: str = "aot_eager", b
     start = time.perf_counter()
     ns = load(source, name)
     loss, inputs = ns["loss"], ns["make_inputs"]()
-    rtol = RTOL[inputs["logits"].dtype]
+    rtol = RTOL[inputs["logits" if "logits" in inputs else "hidden"].dtype]
     torch.compiler.reset()
     if backend_factory is None:
         backend = graphpass.Backend(inner=inner, chunk_size=ns["CHUNK_SIZE"])
@@ -217,8 +221,10 @@ def check_source(source: str, name: str = "program", inner: str = "aot_eager", b
             break
     records = getattr(backend, "records", [])
     torch.compiler.reset()
-    return Result(name, mismatch, sum(len(r.sites) for r in records),
-                  tuple(r.fallback_reason for r in records if r.fallback_reason), time.perf_counter() - start)
+    sites = [site for r in records for site in r.sites]
+    return Result(name, mismatch, len(sites), tuple(r.fallback_reason for r in records if r.fallback_reason),
+                  time.perf_counter() - start, sum(bool(getattr(site, "lm_head", False)) for site in sites),
+                  sum(bool(getattr(site, "gradients_in_forward", False)) for site in sites))
 
 
 def program(seed: int) -> Program:
@@ -338,7 +344,10 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - start
     bad = [r for r in results if r.mismatch]
     rewritten = sum(r.sites > 0 for r in results)
-    print(f"fuzz: seeds {seeds[0]}..{seeds[-1]}, {len(results)} programs, {len(bad)} mismatches, {rewritten} rewritten")
+    heads = sum(r.lm_head_sites > 0 for r in results)
+    fused = sum(r.gradients_in_forward > 0 for r in results)
+    print(f"fuzz: seeds {seeds[0]}..{seeds[-1]}, {len(results)} programs, {len(bad)} mismatches, {rewritten} rewritten"
+          f" ({heads} with an lm_head site, {fused} computing gradients in forward)")
     reasons = collections.Counter(r.fallbacks[0][:100] for r in results if r.fallbacks)
     for reason, count in reasons.most_common(5):
         print(f"fuzz: {count} programs fell back: {reason}")

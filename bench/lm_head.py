@@ -175,6 +175,7 @@ def build(spec: HeadSpec):
             sites = [s for r in backend.records for s in r.sites]
             return {"graphs": len(backend.records), "sites": len(sites),
                     "lm_head_sites": sum(s.lm_head for s in sites),
+                    "gradients_in_forward_sites": sum(getattr(s, "gradients_in_forward", False) for s in sites),
                     "fallbacks": [r.fallback_reason for r in backend.records if r.fallback_reason],
                     "chunk_rows": [s.chunk_rows for s in sites],
                     "rejected": [c.reason for r in backend.records for c in r.rejected][:5]}
@@ -426,7 +427,8 @@ def table(results: list[dict]) -> str:
         ind = _find(results, r, "inductor") if ok else None
         status = r.get("status", "?") if ok else f"{r.get('status')}: {str(r.get('note', ''))[:60]}"
         if ok and r["method"] == "graphpass":
-            status += f" (lm_head sites: {r['notes'].get('lm_head_sites')})"
+            status += (f" (lm_head sites: {r['notes'].get('lm_head_sites')}, gradients in forward: "
+                       f"{r['notes'].get('gradients_in_forward_sites', 0)})")
         if ok and r["method"] == "autochunk":
             status += f" (auto-chunked graphs: {r['notes'].get('auto_chunked_graphs')})"
         rows.append([r["workload"], r["T"], r["H"], r["V"], r["dtype"], r["method"],

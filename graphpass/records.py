@@ -16,8 +16,7 @@ class OutputRecord:
     """One narrow output of a rewritten region."""
 
     kind: str
-    """What it computes: "logprob", "entropy", "rowwise" when not recognised, or "loss": the sum
-    a site that computes its gradients in forward returns (`SiteRecord.gradients_in_forward`)."""
+    """What it computes: "logprob", "entropy", or "rowwise" when not recognised."""
     keeps_grad: bool
     """False when its gradient cannot reach a differentiable output: computed forward-only."""
     temperature: str | None = None
@@ -51,7 +50,8 @@ class SiteRecord:
     chunk_size: int | None
     """Rows per chunk, or None when chosen at run time from the memory budget."""
     outputs: list[OutputRecord]
-    """One entry per narrow output, in the op's output order."""
+    """One entry per narrow output of the region, in order. For a site that computes its gradients
+    in forward, the region's outputs before the op took in the loss math that reads them."""
     program_key: str = ""
     """Content hash of the per-chunk program (identifies the op's registered region)."""
     wide_inputs: int = 1
@@ -81,7 +81,7 @@ class SiteRecord:
     gradients_in_forward: bool = False
     """True when the op also takes in the per-token loss math up to one sum over the rows and
     computes every gradient in its forward pass (`graphpass.analysis.summed_loss`): its backward
-    only scales them. Its first output is then that sum."""
+    only scales them. The op's first output is then that sum."""
     recompute_reason: str | None = None
     """Why an lm_head site's backward recomputes the logits instead (None: it does not)."""
 

@@ -41,6 +41,8 @@ class SiteReport:
     """What one call communicates, e.g. "all_gather 2.5 KiB" (bytes this rank contributes)."""
     lm_head: bool = False
     """The op computes the logits from the hidden states itself (`SiteRecord.lm_head`)."""
+    gradients_in_forward: bool = False
+    """The op computes its gradients in forward (`SiteRecord.gradients_in_forward`)."""
 
 
 @dataclasses.dataclass
@@ -150,7 +152,7 @@ def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, m
             dtype=_dtype_name(site.dtype), chunk_size=_chunk_rows(site), chunk_auto=site.chunk_size is None,
             entropy_grad=_entropy_grad(site), bytes_saved=int(nbytes), temperature=temps[0] if temps else None,
             tp_size=site.tp_size, collectives=", ".join(f"{c.op} {human_bytes(c.bytes)}" for c in site.collectives),
-            lm_head=site.lm_head))
+            lm_head=site.lm_head, gradients_in_forward=site.gradients_in_forward))
     candidates = [CandidateReport(s.source, True, kind=s.kind) for s in record.sites]
     candidates += [CandidateReport(c.source, False, reason=c.reason) for c in record.rejected]
     before = estimate.before if estimate is not None else None
@@ -219,7 +221,8 @@ def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
         # Before/after are whole-graph peaks: only a graph's single site owns them.
         row = [s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad]
         if head:
-            row += ["fused (never stored)" if s.lm_head else "-"]
+            row += [("fused, gradients in forward" if s.gradients_in_forward else "fused (never stored)")
+                    if s.lm_head else "-"]
         if parallel:
             row += [str(s.tp_size), s.collectives or "none"]
         row += [human_bytes(graph.peak_before) if single else "", human_bytes(graph.peak_after) if single else "",

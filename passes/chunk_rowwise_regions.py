@@ -27,7 +27,7 @@ from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_no
                                   size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
-from graphpass.analysis.lm_head import LmHead, match_lm_head
+from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head
 from graphpass.analysis.regions import Region, find_regions, source_of
 from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
@@ -45,6 +45,7 @@ class RegionRejected(Exception):
 
 def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Rewrite every row-local region of `gm` into a chunked op; fill `record.sites/rejected`."""
+    _drop_metadata_checks(gm.graph)
     _split_reduced_losses(gm.graph)
     regions, rejected = find_regions(gm)
     record.rejected.extend(rejected)
@@ -121,6 +122,15 @@ def _with_loss(region: Region, loss: SummedLoss, order) -> Region:
     return Region(region.anchor, nodes, region.rows, loss.layouts, inputs, [loss.summand, *escapes], loss.place)
 
 
+def _drop_metadata_checks(graph: torch.fx.Graph) -> None:
+    """Erase the `_assert_tensor_metadata` checks pre-dispatch export puts after a `.to(dtype)`:
+    they assert a dtype and device the graph's fake values already fix (Dynamo guards on its
+    inputs'), and as readers of a `[rows, V]` value they would keep it out of its region."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in METADATA_CHECKS and not node.users:
+            graph.erase_node(node)
+
+
 _REDUCED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
 _MEAN, _SUM = 1, 2  # torch's Reduction enum
 
@@ -177,8 +187,10 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
                                                               f"{source_of(region.anchor)}: {why}"))
         if head is None:
             continue
-        if len(wide) != 1:
-            _keep_head(record, head, "the region reads other [rows, V] inputs besides the lm_head's logits")
+        # Another wide input is read chunk by chunk beside the head's logits; a float one would
+        # need its own [rows, V] gradient next to the head's blocks: not supported.
+        if any(n is not node and n.meta["val"].is_floating_point() for n in wide):
+            _keep_head(record, head, "the region reads other float [rows, V] inputs besides the lm_head's logits")
             return None
         return head
     return None
@@ -369,12 +381,9 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
 
     program, input_nodes, head, loss = site.program, site.input_nodes, site.head, site.loss
     labels = [label_output(node) for node in region.outputs]
-    if loss is None:
-        outputs = [OutputRecord(label.kind, spec.keeps_grad, label.temperature)
-                   for label, spec in zip(labels, program.outputs)]
-    else:
-        outputs = [OutputRecord("loss", True)] + [OutputRecord(label_output(node).kind, False)
-                                                  for node in site.region.outputs[1:]]
+    # What the region computes (with `loss`, before the op took in the loss math after it).
+    outputs = [OutputRecord(label.kind, grad_flows(node) is not False, label.temperature)
+               for node, label in zip(region.outputs, labels)]
     wide = (head.logits if head is not None else input_nodes[program.wide_input_positions[0]]).meta["val"]
     vocab = size_hint(wide.shape[-1])
     rows = size_hint(wide.numel()) // vocab if vocab else 0

@@ -89,7 +89,9 @@ def test_ppo_gradients_come_from_the_forward(chunk_size):
     backend = graphpass.Backend(chunk_size=chunk_size, inner="aot_eager")
     site, record = _check(ppo, _batch(), backend)
     assert site.lm_head and site.gradients_in_forward and site.recompute_reason is None
-    assert [o.kind for o in site.outputs] == ["loss", "entropy"]  # entropy: computed, gradient-free
+    # What the region computes: the log-prob (into the loss) and the entropy (gradient-free).
+    assert [(o.kind, o.keeps_grad, o.temperature) for o in site.outputs] == [
+        ("logprob", True, "/ 0.7"), ("entropy", False, "/ 0.7")]
     assert torch.ops.graphpass.rowwise_chunked_with_gradients.default in _op_targets(record)
     assert torch.ops.graphpass.rowwise_chunked.default not in _op_targets(record)
 
@@ -224,3 +226,16 @@ def test_no_gradient_no_fusion():
 def test_inductor_parity():
     site, _ = _check(ppo, _batch(), graphpass.Backend(chunk_size=8))
     assert site.gradients_in_forward
+
+
+def test_a_per_token_vocabulary_mask_is_read_beside_the_head():
+    def fn(hidden, weight, tokens, old_logp, adv, mask, vocab_mask):
+        logits = F.linear(hidden, weight).float().masked_fill(vocab_mask, float("-inf"))
+        logp, _ = _logprob_entropy(logits, tokens)
+        return -(logp * adv * mask).sum()
+
+    tensors = _batch()
+    vocab_mask = torch.rand(T, V, generator=torch.Generator().manual_seed(1)) < 0.3
+    vocab_mask.scatter_(-1, tensors[2][:, None], False)  # never the sampled token
+    site, _ = _check(fn, [*tensors, vocab_mask])
+    assert site.lm_head and site.gradients_in_forward

@@ -2,22 +2,24 @@
 
 `LinearHeadProgram` is a `RegionProgram` whose wide input is not a tensor but a product: the op
 takes `hidden [*rows, H]` where the region read the logits, and the weight (and bias) after the
-region's own inputs. The base class's chunk loop is unchanged; this class only says what a chunk's
-wide value is and where its gradient goes:
+region's own inputs. The base class's chunk loops are unchanged; this class only says what a
+chunk's wide value is and where its gradient goes:
 
 - forward, per chunk: `logits_c = hidden_c @ W.T (+ b)`, then the region's forward kernel (its
   outputs and O(rows) row statistics, as for logits given as a tensor);
 - backward, per block of rows: the block's logits recomputed the same way; the region's backward
-  kernel, per chunk of the block (a quarter), writes the chunk's `dlogits` into one scratch buffer,
-  copied back over the chunk's logits it has just read; then `dhidden[block] = dlogits @ W` in
-  place and `dW += dlogits.T @ hidden[block]` (and `db += dlogits.sum(0)`) into fp32
+  kernel, per chunk of the block (an eighth), writes the chunk's `dlogits` into one scratch
+  buffer, copied back over the chunk's logits it has just read; then `dhidden[block] = dlogits @ W`
+  in place and `dW += dlogits.T @ hidden[block]` (and `db += dlogits.sum(0)`) into fp32
   accumulators, one buffer each, converted to the weight's dtype once at the end (for an fp32
   weight the accumulator is the gradient).
 
-So the backward's peak is the two gradients plus a block and a quarter of `[rows, V]` (and for a
+So the backward's peak is the two gradients plus a block and an eighth of `[rows, V]` (and for a
 bf16 weight its fp32 accumulator, twice the gradient's bytes); a bf16 weight is multiplied as it
-is, never copied to fp32. The op does four GEMMs (forward, the recompute, dhidden, dW) where code
-that keeps the logits does three: the price of never storing them.
+is, never copied to fp32. That backward does four GEMMs (forward, the recompute, dhidden, dW) where
+code that keeps the logits does three. Where the loss is one sum of per-token terms, the op
+computes the gradients in its forward instead (`RegionProgram.forward_with_gradients`, the same
+blocks and sinks while each block's logits are at hand): three GEMMs, and the same peak.
 """
 
 from __future__ import annotations
