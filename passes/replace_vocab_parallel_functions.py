@@ -11,6 +11,13 @@ statistic, O(rows) saved instead of the softmax. The group is the one the forwar
 Also moved into the op, where exact: an fp32 upcast of bf16/fp16 logits (the op upcasts one chunk
 at a time) and a division of the compute-dtype logits by a constant temperature. Anything else
 stays as it was; a Function with collectives that does not match is recorded with the reason.
+
+When the logits the op then reads are this rank's lm_head, `F.linear(hidden, W_shard (, b_shard))`
+or `hidden @ W_shard.t()` in the same graph and grad mode, read by nothing else, the op becomes
+`graphpass::vocab_parallel_lm_head_logprob_entropy(hidden, W_shard, b_shard, ...)`: each chunk's
+logits computed (and recomputed in backward) from the hidden states, the `[*, V/tp]` logits and
+their gradient never stored, the same one collective (`SiteRecord.lm_head`). Where the logits come
+from a matmul that cannot be absorbed, the reason is recorded and the op reads the logits.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import torch.fx
 
 from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
-from graphpass.analysis.grad_flow import requires_grad
+from graphpass.analysis.grad_flow import grad_modes, requires_grad
+from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, other_readers
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of
@@ -38,7 +46,9 @@ __all__ = ["replace_vocab_parallel_functions_pass"]
 def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inputs, *, config,
                                           record) -> torch.fx.GraphModule:
     """Each vocab-parallel log-prob/entropy Function -> one `vocab_parallel_logprob_entropy` call;
-    so too the same math inlined in the graph, where no gradient flows through it."""
+    so too the same math inlined in the graph, where no gradient flows through it; then each
+    op whose logits are an lm_head matmul read by nothing else takes the matmul in."""
+    built = []  # (site, op node)
     for stub in list(gm.graph.find_nodes(op="call_function", target=torch.ops.graphpass.opaque.default)):
         hop = hop_of(stub)
         if hop.target is not _torch_api.autograd_function_apply():
@@ -48,8 +58,17 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
             if match != NOT_PARALLEL:
                 record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {match}"))
             continue
-        _add_site(record, _replace_function(gm.graph, stub, hop, match, config))
-    _replace_inlined(gm, example_inputs, config, record)
+        built.append(_replace_function(gm.graph, stub, hop, match, config))
+    inlined = _replace_inlined(gm, example_inputs, config, record)
+    if inlined is not None:
+        built.append(inlined)
+    # The replaced code's readers of the logits (an upcast, a division moved into the op) are gone
+    # before the fusion asks what else reads them.
+    gm.graph.eliminate_dead_code()
+    modes = grad_modes(gm.graph)
+    for site, op in built:
+        _fuse_lm_head(gm.graph, op, site, modes, record)
+        _add_site(record, site)
     gm.graph.eliminate_dead_code()
     return gm
 
@@ -57,6 +76,98 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
 def _add_site(record, site: SiteRecord) -> None:
     record.sites.append(site)
     record.collectives.extend(site.collectives)
+
+
+_HEAD_OP = torch.ops.graphpass.vocab_parallel_lm_head_logprob_entropy.default
+
+
+def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, modes, record) -> None:
+    """`op` reading `hidden, W (, b)` instead of its logits where they are `hidden @ W.T (+ b)`
+    (`graphpass.analysis.lm_head.match_matmul`) that nothing else reads, in the op's grad mode;
+    else `op` as it is, and the reason recorded where the logits are a matmul."""
+    logits = op.args[0]
+    head, why = _match_head(logits) if isinstance(logits, torch.fx.Node) else (None, None)
+    if head is not None and head.weight_transposed:
+        head, why = None, "its weight is [H, V/tp] (hidden @ W), not the [V/tp, H] shard of hidden @ W.T"
+    checks = []
+    if head is not None:
+        checks, why = other_readers(logits, {op}, "the vocab-parallel op")
+        if why is not None:
+            head = None
+    if head is not None and any(modes[n] != modes[op] for n in head.nodes):
+        head, why = None, "the matmul runs in another grad mode than the vocab-parallel op"
+    if head is None:
+        if why is not None:
+            record.rejected.append(Candidate(source_of(logits), f"lm_head not fused into the vocab-parallel op at "
+                                                                f"{site.source}: {why}"))
+        return
+    fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
+    with graph.inserting_before(op):
+        hidden = head.hidden
+        if any(n.op == "call_function" and n.target in _RESHAPES for n in head.nodes):
+            # The logits' reshape, on the hidden states: the same rows in the same order.
+            lead = list(logits.meta["val"].shape[:-1])
+            hidden = _torch_api.fake_node(graph, fake_mode, aten.reshape.default, (hidden, [*lead, head.hidden_size]),
+                                          {}, op)
+        fused = _torch_api.fake_node(graph, fake_mode, _HEAD_OP, (hidden, head.weight, head.bias, *op.args[1:]),
+                                     {}, op)
+    op.replace_all_uses_with(fused)
+    graph.erase_node(op)
+    # Metadata checks of the logits (and of the matmul under a bias's addition) that no longer exist.
+    for check in [*checks, *(n for n in head.nodes if n.op == "call_function" and n.target in METADATA_CHECKS)]:
+        graph.erase_node(check)
+    site.lm_head = True
+    site.hidden_shape = tuple(hidden.meta["val"].shape)
+
+
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
+    """`match_matmul(logits)`, or `hidden @ W.T + b` written as an addition of a `[V/tp]` bias to
+    an unbiased matmul that nothing else reads, or a reshape that keeps the last dim of either
+    (`[B, S, V/tp]` to `[B * S, V/tp]`: the same rows in the same order, as for the hidden states).
+    `head.logits` is `logits`; `head.nodes` every node the op replaces, with their metadata checks."""
+    head, why = match_matmul(logits)
+    if head is not None or why is not None:
+        return head, why
+    if logits.op == "call_function" and logits.target in _RESHAPES and isinstance(logits.args[0], torch.fx.Node):
+        source = logits.args[0]
+        val, src_val = logits.meta.get("val"), source.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor) and val.ndim >= 2
+                and src_val.ndim >= 2 and _torch_api.known_equal(val.shape[-1], src_val.shape[-1])):
+            return None, None
+        head, why = _match_head(source)
+        if head is None:
+            return None, why
+        checks, why = other_readers(source, {logits}, "the reshape of its logits")
+        if why is not None:
+            return None, why
+        return dataclasses.replace(head, logits=logits, nodes=[logits, *head.nodes, *checks]), None
+    if not (logits.op == "call_function" and logits.target is aten.add.Tensor and len(logits.args) == 2
+            and not logits.kwargs):
+        return None, None
+    for matmul, bias in (logits.args, logits.args[::-1]):
+        if isinstance(matmul, torch.fx.Node) and isinstance(bias, torch.fx.Node):
+            head, why = match_matmul(matmul)
+            if head is not None or why is not None:
+                break
+    else:
+        return None, None
+    if head is None:
+        return None, why
+    if head.bias is not None:
+        return None, "its logits add a second bias to a biased matmul"
+    b_val, mm_val, out_val = bias.meta.get("val"), matmul.meta["val"], logits.meta.get("val")
+    if not (isinstance(b_val, torch.Tensor) and b_val.ndim == 1 and isinstance(out_val, torch.Tensor)
+            and _torch_api.known_equal(b_val.shape[0], mm_val.shape[-1])
+            and b_val.dtype == mm_val.dtype == out_val.dtype and out_val.ndim == mm_val.ndim
+            and all(_torch_api.known_equal(a, b) for a, b in zip(out_val.shape, mm_val.shape))):
+        return None, "the value added to its matmul is not one bias per vocabulary entry in the logits' dtype"
+    checks, why = other_readers(matmul, {logits}, "the bias's addition")
+    if why is not None:
+        return None, f"its matmul (before the bias) {why.removeprefix('its logits ')}"
+    return dataclasses.replace(head, logits=logits, bias=bias, nodes=[logits, matmul, *checks]), None
 
 
 def _match_function(hop, stub) -> VocabParallelMatch | str:
@@ -93,28 +204,29 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
         if match not in (NOT_PARALLEL, NO_LOGPROB):
             collective = next(gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE))
             record.rejected.append(Candidate(source_of(collective), f"vocab-parallel code kept: {match}"))
-        return
+        return None
     source = source_of(match.nodes[0])
     requires = requires_grad(gm, example_inputs)
     with_gradient = any(requires[n] for n in match.nodes)
     if with_gradient and values_without_gradient(gm, match, requires, _rank_and_size):
         record.rejected.append(Candidate(source, "vocab-parallel code kept: part of its statistics is detached, "
                                                  "so its gradient is not that of its values"))
-        return
+        return None
     dead = _dead_after_replacing(gm.graph, match.nodes)
     collectives = [n for n in gm.graph.nodes if n.target in _COLLECTIVE_OPS]
     if any(n not in dead for n in collectives):
         record.rejected.append(Candidate(source, "vocab-parallel code kept: its all-reduced values are read "
                                                  "by other code"))
-        return
+        return None
     no_gradient = {i for i, n in enumerate(match.nodes) if not requires[n]}
     # Where a gradient flows, the code's all-reduces sum it over the ranks in backward: so does the op's stand-in.
-    _add_site(record, _replace_outputs(gm.graph, match, list(match.nodes), no_gradient, config,
-                                       like=match.nodes[0], sum_grads=with_gradient))
+    built = _replace_outputs(gm.graph, match, list(match.nodes), no_gradient, config, like=match.nodes[0],
+                             sum_grads=with_gradient)
     # Erased here, not left to dead-code elimination, which keeps collectives (they look impure).
     for node in reversed(list(gm.graph.nodes)):
         if node in dead and not node.users:
             gm.graph.erase_node(node)
+    return built
 
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -135,21 +247,23 @@ def _rank_and_size(group_name: str) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
-def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config) -> SiteRecord:
+def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config):
+    """(site, op node) of the op that replaces the Function's `stub`."""
     users = list(stub.users)
     if any(user.target is not operator.getitem for user in users):
         raise CantCapture("a vocab-parallel Function's result is used whole, not item by item")
-    site = _replace_outputs(graph, match, [(u, u.args[1]) for u in users],
-                            set(hop.kwargs.get("non_differentiable_idx", ())), config, like=stub)
+    built = _replace_outputs(graph, match, [(u, u.args[1]) for u in users],
+                             set(hop.kwargs.get("non_differentiable_idx", ())), config, like=stub)
     graph.erase_node(stub)
-    return site
+    return built
 
 
 def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced, non_differentiable: set, config,
-                     like, sum_grads: bool = False) -> SiteRecord:
+                     like, sum_grads: bool = False) -> tuple[SiteRecord, torch.fx.Node]:
     """One op call before `like`; each of `replaced` (a node, or (node, index into match.outputs))
     reads it instead. `non_differentiable`: the output indices that carry no gradient. `sum_grads`:
-    the outputs' gradients are summed over the group in backward (one all-reduce)."""
+    the outputs' gradients are summed over the group in backward (one all-reduce). Returns the
+    site and the op's node."""
     replaced = [r if isinstance(r, tuple) else (r, i) for i, r in enumerate(replaced)]
     logits, temperature = _absorb_scaling(match.logits, match.temperature)
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
@@ -206,7 +320,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
                                       collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))]
         + ([CollectiveRecord("all_reduce in backward", match.group_size,
                              rows_hint * (2 if with_entropy else 1) * results["logprob"].meta["val"].dtype.itemsize)]
-           if sum_grads else []))
+           if sum_grads else [])), op
 
 
 def _summing_grads(node, results: dict, with_entropy: bool, group_name: str) -> dict:

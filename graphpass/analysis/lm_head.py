@@ -83,6 +83,24 @@ def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, 
 
     (None, None): `logits` is not computed by a matmul at all (nothing to say).
     """
+    head, why = match_matmul(logits)
+    if head is None:
+        return None, why
+    lay = rowlocal.layout_of(_val(head.hidden), region.rows)
+    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != _val(head.hidden).ndim - 1:
+        return None, "its hidden states are not laid out over the region's rows"
+    checks, why = other_readers(logits, set(region.nodes))
+    if why is not None:
+        return None, why
+    if modes[logits] != modes[region.place]:
+        return None, "the matmul runs in another grad mode than the region"
+    return dataclasses.replace(head, nodes=[logits, *checks]), None
+
+
+def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
+    """`logits` as `hidden @ W.T (+ bias)` whatever reads it (`nodes` is `[logits]`), or (None, why not);
+    (None, None) when it is not a matmul at all. The part of `match_lm_head` that does not depend
+    on who reads the logits (the vocab-parallel op's fusion uses it too)."""
     found = _operands(logits)
     if found is None:
         return None, None
@@ -104,9 +122,6 @@ def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, 
         return None, "its vocabulary or hidden size is symbolic"
     if not (known_equal(out_val.shape[-1], vocab) and known_equal(h_val.shape[-1], hidden_size)):
         return None, "its weight does not map the hidden size to the vocabulary"
-    lay = rowlocal.layout_of(h_val, region.rows)
-    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != h_val.ndim - 1:
-        return None, "its hidden states are not laid out over the region's rows"
     if bias is not None:
         b_val = _val(bias)
         if not isinstance(b_val, torch.Tensor) or b_val.ndim != 1 or not known_equal(b_val.shape[0], vocab):
@@ -117,7 +132,12 @@ def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, 
         return None, "its hidden states, weight and logits differ in dtype"
     if len({h_val.device, w_val.device}) != 1:
         return None, "its hidden states and weight are on different devices"
-    inside = set(region.nodes)
+    return LmHead(logits, hidden, weight, bias, transposed, hidden_size, [logits]), None
+
+
+def other_readers(logits: torch.fx.Node, inside: set, reader: str = "the region") -> tuple[list, str | None]:
+    """(the metadata checks reading `logits`, None) when nothing but `inside` (`reader`, as the
+    reason names it) and such checks reads it, else ([], why not)."""
     checks = []
     for user in logits.users:
         if user in inside:
@@ -126,13 +146,11 @@ def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, 
             checks.append(user)
             continue
         if user.op == "output":
-            return None, "its logits are also an output of the graph"
+            return [], "its logits are also an output of the graph"
         from graphpass.analysis.regions import source_of
 
-        return None, f"its logits are also read outside the region ({_name(user)} at {source_of(user)})"
-    if modes[logits] != modes[region.place]:
-        return None, "the matmul runs in another grad mode than the region"
-    return LmHead(logits, hidden, weight, bias, transposed, hidden_size, [logits, *checks]), None
+        return [], f"its logits are also read outside {reader} ({_name(user)} at {source_of(user)})"
+    return checks, None
 
 
 def _name(node) -> str:

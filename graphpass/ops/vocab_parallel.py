@@ -16,6 +16,12 @@ each chunk's softmax from the saved log-sum-exp and issues no collective.
 The collectives a call issues depend only on shapes and configuration (dtype, keep_mask given
 or not, with_entropy), never on values, requires_grad or grad mode, so ranks cannot disagree
 (slime #2123 hung on exactly that). A group of size one issues none.
+
+`vocab_parallel_lm_head_logprob_entropy(hidden, weight, target, group, bias=...)` is the same op
+with the lm_head inside: each chunk's logits are `hidden_c @ W_r.T (+ b_r)` from this rank's weight
+(and bias) shard, recomputed in backward, which writes `hidden.grad` rows (this rank's partial,
+as autograd of `F.linear` gives) and accumulates the weight's and bias's gradients in fp32; the
+`[*, V/tp]` logits and their gradient never exist. The same one collective, none in backward.
 """
 
 from __future__ import annotations
@@ -74,6 +80,13 @@ def _row_blocks(logits: torch.Tensor):
         pass
     inner = logits.shape[-2]
     return [(n * inner, logits[index]) for n, index in enumerate(itertools.product(*map(range, logits.shape[:-2])))]
+
+
+def _row_chunks(logits, chunk_size: int):
+    """`_chunks` of a logits tensor, or the chunks a `_HeadLogits` computes."""
+    if isinstance(logits, _HeadLogits):
+        return logits.chunks(chunk_size)
+    return _chunks(logits, chunk_size)
 
 
 def _chunks(logits, chunk_size: int):
@@ -233,6 +246,7 @@ def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None)
 
 def _forward(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
              ignore_index: int | None, chunk_size: int, kernels: str):
+    """The op's forward over `logits`, a `[*, Vl]` tensor or a `_HeadLogits` (computed chunk by chunk)."""
     group, rank, size = rank_and_size(group_name)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
@@ -246,7 +260,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
     stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
     chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize)
     with torch.no_grad():
-        for sl, piece in _chunks(logits, chunk):
+        for sl, piece in _row_chunks(logits, chunk):
             lt, own = local_target[sl], owned[sl]
             # The target's logit, scaled alone: the same value as read from the scaled chunk.
             stats[sl, _TARGET] = torch.where(own, _scaled(piece.gather(1, lt[:, None])[:, 0], temperature, dtype), 0)
@@ -286,6 +300,20 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
               temperature: float, ignore_index: int | None, chunk_size: int, kernels: str):
     """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective."""
+    grad = torch.empty(math.prod(logits.shape[:-1]), logits.shape[-1], dtype=logits.dtype, device=logits.device)
+
+    def write(sl, chunk_grad):
+        grad[sl] = chunk_grad
+
+    _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
+                   temperature, ignore_index, chunk_size, kernels, write)
+    return grad.view(logits.shape)
+
+
+def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
+                   temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink) -> None:
+    """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows in order;
+    `logits`: a `[*, Vl]` tensor or a `_HeadLogits`. No collective."""
     _, rank, _ = rank_and_size(group_name)
     vocab = logits.shape[-1]
     rows = math.prod(logits.shape[:-1])
@@ -293,7 +321,6 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
     masked = keep_mask is not None
     local_target, owned, ignored = _local_targets(target.reshape(rows), rank, vocab, ignore_index)
     keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
-    grad = torch.empty(rows, vocab, dtype=logits.dtype, device=logits.device)
     g_lp = None
     if grad_logprob is not None:
         # An ignored row contributes nothing; its (masked) log-sum-exp may be -inf, so its softmax
@@ -308,14 +335,14 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
     if not masked:
         kernel = _kernel(_chunk_grad, kernels)
         entropy_rows = entropy.reshape(-1)
-        for sl, piece in _chunks(logits, chunk):
-            grad[sl] = kernel(piece, lse_lp[sl, None],
-                              None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
-                              local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
-                              None if g_ent is None else g_ent[sl, None], temperature)
-        return grad.view(logits.shape)
+        for sl, piece in _row_chunks(logits, chunk):
+            sink(sl, kernel(piece, lse_lp[sl, None],
+                            None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
+                            local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
+                            None if g_ent is None else g_ent[sl, None], temperature))
+        return
     # Under a keep mask the log-prob's softmax is over the kept logits, the entropy's over all.
-    for sl, piece in _chunks(logits, chunk):
+    for sl, piece in _row_chunks(logits, chunk):
         x = _scaled(piece, temperature, dtype)
         lt = local_target[sl]
         out = torch.zeros_like(x)
@@ -333,9 +360,8 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
             del z, p
         if temperature != 1.0:
             out.div_(temperature)
-        grad[sl] = out
+        sink(sl, out.to(logits.dtype))
         del x, out
-    return grad.view(logits.shape)
 
 
 # ---- custom ops ----------------------------------------------------------------------------------
@@ -350,12 +376,7 @@ def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: to
 @_vocab_parallel_op.register_fake
 def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
       kernels):
-    dtype = _compute_dtype(logits.dtype)
-    lead = logits.shape[:-1]
-    rows = math.prod(lead)
-    entropy = logits.new_empty(lead if with_entropy else (0,), dtype=dtype)
-    lse_full = logits.new_empty((rows,) if with_entropy and keep_mask is not None else (0,), dtype=dtype)
-    return logits.new_empty(lead, dtype=dtype), entropy, logits.new_empty((rows,), dtype=dtype), lse_full
+    return _fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
 
 
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy_backward", mutates_args=())
@@ -444,6 +465,188 @@ def _sum_grads_backward(ctx, grad):
 
 
 sum_grads_over_group.register_autograd(_sum_grads_backward, setup_context=_sum_grads_setup)
+
+
+# ---- the lm_head inside: logits = hidden @ W.T (+ bias), chunk by chunk ------------------------------
+class _HeadLogits:
+    """This rank's `[*, Vl]` logits as `hidden @ W_r.T (+ b_r)`, never stored: `chunks` computes
+    each chunk's rows from the hidden states' (what `_forward` and `_backward_rows` read instead of
+    a logits tensor)."""
+
+    def __init__(self, hidden, weight, bias):
+        lead = hidden.shape[:-1]
+        self.hidden = hidden.reshape(math.prod(lead), hidden.shape[-1])  # a view where hidden allows one
+        self.weight, self.bias = weight, bias
+        self.shape = torch.Size((*lead, weight.shape[0]))
+        self.dtype, self.device = hidden.dtype, hidden.device
+
+    def new_empty(self, *args, **kwargs):
+        return self.hidden.new_empty(*args, **kwargs)
+
+    def logits(self, sl):
+        """The logits of rows `sl`, `[r, Vl]`, as autograd of `F.linear(hidden, W, b)` computes them."""
+        h = self.hidden[sl]
+        if self.bias is None:
+            return torch.mm(h, self.weight.t())
+        return torch.addmm(self.bias, h, self.weight.t())
+
+    def chunks(self, chunk_size: int):
+        rows = self.hidden.shape[0]
+        for start in range(0, rows, chunk_size):
+            sl = slice(start, min(rows, start + chunk_size))
+            yield sl, self.logits(sl)
+
+
+class _HeadGradients:
+    """The sink of `_backward_rows` for `_HeadLogits`: each chunk's dlogits `dl` (the logits' dtype)
+    gives `dhidden[rows] = dl @ W_r` (this rank's partial; the caller's TP region sums it, as for
+    `F.linear` on this rank) and `dW += dl.T @ h`, `db += dl.sum(0)` in fp32 (float64 stays float64)."""
+
+    def __init__(self, head: _HeadLogits, hidden_shape, need_hidden: bool, need_weight: bool, need_bias: bool):
+        self.head, self.hidden_shape = head, hidden_shape
+        hidden, weight, bias = head.hidden, head.weight, head.bias
+        self.acc = torch.promote_types(weight.dtype, torch.float32)
+        self.hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        self.weight_acc = torch.zeros(weight.shape, dtype=self.acc, device=weight.device) if need_weight else None
+        self.bias_acc = None
+        if need_bias and bias is not None:
+            self.bias_acc = torch.zeros(bias.shape, dtype=self.acc, device=bias.device)
+
+    def __call__(self, sl, dl):
+        if self.hidden_grad is not None:
+            torch.mm(dl, self.head.weight, out=self.hidden_grad[sl])
+        if self.weight_acc is not None or self.bias_acc is not None:
+            wide = dl.to(self.acc)  # the same tensor for fp32 and float64; a chunk-sized copy for bf16
+            if self.weight_acc is not None:
+                self.weight_acc.addmm_(wide.t(), self.head.hidden[sl].to(self.acc))
+            if self.bias_acc is not None:
+                self.bias_acc += wide.sum(0)
+
+    def results(self):
+        """(dhidden, dW, db), each `[0]` where not wanted (a custom op returns tensors, never None)."""
+        head = self.head
+        empty = head.hidden.new_empty
+        return (empty((0,)) if self.hidden_grad is None else self.hidden_grad.view(self.hidden_shape),
+                empty((0,)) if self.weight_acc is None else self.weight_acc.to(head.weight.dtype),
+                empty((0,)) if self.bias_acc is None else self.bias_acc.to(head.bias.dtype))
+
+
+def _fake_outputs(like, lead, with_entropy: bool, masked: bool):
+    dtype = _compute_dtype(like.dtype)
+    rows = math.prod(lead)
+    entropy = like.new_empty(lead if with_entropy else (0,), dtype=dtype)
+    lse_full = like.new_empty((rows,) if with_entropy and masked else (0,), dtype=dtype)
+    return like.new_empty(lead, dtype=dtype), entropy, like.new_empty((rows,), dtype=dtype), lse_full
+
+
+@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy", mutates_args=())
+def _vocab_parallel_head_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str, temperature: float,
+                            with_entropy: bool, entropy_grad: bool, ignore_index: int | None, chunk_size: int,
+                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`vocab_parallel_logprob_entropy` of the logits `hidden @ weight.T (+ bias)` (this rank's
+    `[V/tp, H]` weight shard and `[V/tp]` bias shard), computed chunk by chunk: the same outputs
+    and the same one collective."""
+    return _forward(_HeadLogits(hidden, weight, bias), target, keep_mask, group_name, temperature, with_entropy,
+                    ignore_index, chunk_size, kernels)
+
+
+@_vocab_parallel_head_op.register_fake
+def _(hidden, weight, bias, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+      chunk_size, kernels):
+    return _fake_outputs(hidden, hidden.shape[:-1], with_entropy, keep_mask is not None)
+
+
+@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy_backward", mutates_args=())
+def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                     target: torch.Tensor, keep_mask: torch.Tensor | None, lse_lp: torch.Tensor,
+                                     lse_full: torch.Tensor, entropy: torch.Tensor, grad_logprob: torch.Tensor | None,
+                                     grad_entropy: torch.Tensor | None, group_name: str, temperature: float,
+                                     ignore_index: int | None, chunk_size: int, kernels: str, need_hidden: bool,
+                                     need_weight: bool, need_bias: bool
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dhidden, dweight, dbias) of `vocab_parallel_lm_head_logprob_entropy`, each `[0]` where not
+    wanted; each chunk's logits recomputed; no collective."""
+    head = _HeadLogits(hidden, weight, bias)
+    sink = _HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
+    _backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
+                   temperature, ignore_index, chunk_size, kernels, sink)
+    return sink.results()
+
+
+@_vocab_parallel_head_backward_op.register_fake
+def _(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
+      temperature, ignore_index, chunk_size, kernels, need_hidden, need_weight, need_bias):
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty((0,)),
+            torch.empty_like(weight) if need_weight else weight.new_empty((0,)),
+            torch.empty_like(bias) if need_bias and bias is not None else weight.new_empty((0,)))
+
+
+def _head_setup_context(ctx, inputs, output):
+    (hidden, weight, bias, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+     chunk_size, kernels) = inputs
+    logprob, entropy, lse_lp, lse_full = output
+    ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
+    ctx.kernels = kernels
+    ctx.entropy_grad = with_entropy and entropy_grad
+    ctx.save_for_backward(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy)
+    ctx.mark_non_differentiable(lse_lp, lse_full)
+    if not ctx.entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+
+
+def _head_autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
+    hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = bool(need_bias and bias is not None)
+    if not ctx.entropy_grad:
+        grad_entropy = None
+    if not (need_hidden or need_weight or need_bias) or (grad_logprob is None and grad_entropy is None):
+        return (None,) * 12
+    dh, dw, db = _vocab_parallel_head_backward_op(
+        hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
+        ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size, ctx.kernels, bool(need_hidden),
+        bool(need_weight), need_bias)
+    return ((dh if need_hidden else None), (dw if need_weight else None), (db if need_bias else None)) + (None,) * 9
+
+
+_vocab_parallel_head_op.register_autograd(_head_autograd_backward, setup_context=_head_setup_context)
+
+
+def vocab_parallel_lm_head_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                           group=None, *, bias: torch.Tensor | None = None, temperature: float = 1.0,
+                                           with_entropy: bool = False, entropy_grad: bool = True,
+                                           ignore_index: int | None = -100, chunk_size: int | None = None):
+    """`vocab_parallel_logprob_entropy(F.linear(hidden, weight, bias), target, group, ...)` without
+    the `[*, V/tp]` logits or their gradient ever stored: each chunk's logits are computed from
+    `hidden [*, H]`, this rank's weight shard `[V/tp, H]` (and bias shard `[V/tp]`), and recomputed
+    in backward. The same one all-gather per call, none in backward.
+
+    `hidden.grad` is this rank's share, `dlogits_r @ W_r`, as autograd of `F.linear` gives on this
+    rank (Megatron sums it over the group in its own copy-to-tensor-parallel region); the weight's
+    and bias's gradients are accumulated in fp32 (float64 in float64) and converted once.
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or not hidden.is_floating_point():
+        raise ValueError("graphpass: hidden must be a float [*, H] tensor (at least 2-D)")
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] \
+            or weight.dtype != hidden.dtype or weight.shape[0] == 0:
+        raise ValueError(f"graphpass: weight must be this rank's [V/tp, H] = [*, {hidden.shape[-1]}] shard in "
+                         f"{hidden.dtype}, got {tuple(getattr(weight, 'shape', ()))}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != hidden.dtype):
+        raise ValueError(f"graphpass: bias must be this rank's [{weight.shape[0]}] shard in {hidden.dtype}")
+    if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype == torch.bool \
+            or tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError("graphpass: target must be integer token ids of shape hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"graphpass: temperature must be a positive Python number, got {temperature!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {chunk_size!r}")
+    logprob, entropy, _, _ = _vocab_parallel_head_op(hidden, weight, bias, target, None, group_name(group),
+                                                     float(temperature), bool(with_entropy), bool(entropy_grad),
+                                                     None if ignore_index is None else int(ignore_index),
+                                                     chunk_size or 0, "eager")
+    return logprob, (entropy if with_entropy else None)
 
 
 # ---- public entry --------------------------------------------------------------------------------
