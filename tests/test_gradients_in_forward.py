@@ -16,24 +16,14 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from graphpass.analysis.summed_loss import match_summed_loss  # noqa: F401 - the module under test
+from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 
 T, H, V = 29, 8, 37
 CLIP = 0.2
 
 
 def _batch(rows=T, dtype=torch.float32, seed=0, bias=False):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(rows, H, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype).requires_grad_()
-    tokens = torch.randint(0, V, (rows,), generator=g)
-    old_logp = -torch.rand(rows, generator=g) * 3
-    adv = torch.randn(rows, generator=g)
-    mask = (torch.rand(rows, generator=g) < 0.8).float()
-    tensors = [hidden, weight, tokens, old_logp, adv, mask]
-    if bias:
-        tensors.append((torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_())
-    return tensors
+    return lm_head_batch(rows, dtype=dtype, seed=seed, bias=bias, hidden_size=H, vocab=V)
 
 
 def _logprob_entropy(logits, tokens, temperature=0.7):
