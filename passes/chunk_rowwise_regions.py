@@ -51,18 +51,21 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    built = []
+    built, taken = [], set()  # `taken`: the loss math (and sums) earlier sites took in
     for region in regions:  # build and label every region before the graph changes under them
         try:
-            site = _build_site(region, config, modes, order, record)
+            site = _build_site(region, config, modes, order, record, taken)
         except RegionRejected as e:
             record.rejected.append(Candidate(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
+        if site.loss is not None:
+            taken.update(site.loss.nodes, [site.loss.total])
         record.sites.append(_site_record(region, site))
         built.append(site)
+    replaced: dict = {}  # node -> the op output that replaced it: a later site may read it
     for site in built:
-        _replace(gm.graph, site)
+        _replace(gm.graph, site, replaced)
     # An output may be used before the region's last node; move such users after the op.
     stable_topological_sort(gm.graph)
     return gm
@@ -82,9 +85,10 @@ class _Site:
     recompute_reason: str | None = None
 
 
-def _build_site(region: Region, config, modes, order, record) -> _Site:
+def _build_site(region: Region, config, modes, order, record, taken=frozenset()) -> _Site:
     """The richest rewrite of `region` that builds: with its lm_head and its loss math, with its
-    lm_head alone, or the region alone (each fallback's reason recorded)."""
+    lm_head alone, or the region alone (each fallback's reason recorded). `taken`: nodes of the
+    loss math another site already took in."""
     head = _lm_head(region, modes, record)
     loss, why = None, None
     if head is not None:
@@ -92,6 +96,8 @@ def _build_site(region: Region, config, modes, order, record) -> _Site:
             loss, why = match_summed_loss(region, modes, order)
         else:
             why = "gradients_in_forward=False"
+    if loss is not None and taken.intersection([*loss.nodes, loss.total]):
+        loss, why = None, "its loss math is shared with another site's, which computes its gradients in forward"
     if loss is not None:
         extended = _with_loss(region, loss, order)
         try:
@@ -330,8 +336,11 @@ def _size_node(graph, size, input_nodes):
     raise RegionRejected(f"cannot express output size {size} from the region's inputs")
 
 
-def _replace(graph, site: _Site):
-    region, program, input_nodes, head, loss = site.region, site.program, site.input_nodes, site.head, site.loss
+def _replace(graph, site: _Site, replaced: dict):
+    """Put the site's op in the graph in place of its nodes; `replaced` maps each node an earlier
+    site replaced to the op output now standing for it (and gets this site's)."""
+    region, program, head, loss = site.region, site.program, site.head, site.loss
+    input_nodes = [replaced.get(n, n) for n in site.input_nodes]
     inside = set(region.nodes)
     per_row = region.outputs[1:] if loss is not None else region.outputs
     with graph.inserting_before(region.place.next):
@@ -355,11 +364,12 @@ def _replace(graph, site: _Site):
         if region.anchor.meta.get("stack_trace"):
             op.meta["stack_trace"] = region.anchor.meta["stack_trace"]
         op.meta["graphpass.program"] = program.key
-        replaced = [loss.total, *per_row] if loss is not None else region.outputs
-        for i, out in enumerate(replaced):
+        outs = [loss.total, *per_row] if loss is not None else region.outputs
+        for i, out in enumerate(outs):
             item = graph.call_function(operator.getitem, (op, i))
             item.meta.update(out.meta)
             out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+            replaced[out] = item
     if loss is not None:
         graph.erase_node(loss.total)
     for node in reversed(region.nodes):

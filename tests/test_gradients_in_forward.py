@@ -229,3 +229,48 @@ def test_a_per_token_vocabulary_mask_is_read_beside_the_head():
     vocab_mask.scatter_(-1, tensors[2][:, None], False)  # never the sampled token
     site, _ = _check(fn, [*tensors, vocab_mask])
     assert site.lm_head and site.gradients_in_forward
+
+
+@pytest.mark.parametrize("spelling", ["weighted", "difference"])
+def test_two_heads_in_one_sum(spelling):
+    """Two lm_head sites whose per-token terms meet in one sum: one site takes the sum in, the
+    other's output is its input (and gets its gradient through it)."""
+    def fn(hidden, weight, tokens, old_logp, adv, mask, hidden2, weight2):
+        logp, _ = _logprob_entropy(F.linear(hidden, weight), tokens)
+        logp2, _ = _logprob_entropy(F.linear(hidden2, weight2), tokens, 1.0)
+        if spelling == "weighted":
+            return (logp * adv + logp2 * mask).sum()
+        return (logp - logp2).square().sum()
+
+    tensors = _batch()
+    second = _batch(seed=5)[:2]
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    (loss, grads), (ref, ref_grads) = _run(fn, [*tensors, *second], backend)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    assert len(grads) == len(ref_grads) == 4
+    for mine, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    (record,) = backend.records
+    assert record.fallback_reason is None and len(record.sites) == 2
+    assert all(s.lm_head for s in record.sites)
+    assert sorted(s.gradients_in_forward for s in record.sites) == [False, True]
+
+
+def test_loss_math_reading_an_earlier_sites_output():
+    """The site computing its gradients in forward reads the log-probs of an earlier site (over
+    given logits) in its loss math: the op reads that site's op output."""
+    def fn(logits, hidden, weight, tokens, adv):
+        ref_logp, _ = _logprob_entropy(logits, tokens, 1.0)
+        logp, _ = _logprob_entropy(F.linear(hidden, weight), tokens)
+        return ((logp - ref_logp).square() * adv).sum()
+
+    hidden, weight, tokens, _, adv, _ = _batch()
+    logits = torch.randn(T, V, generator=torch.Generator().manual_seed(7)).requires_grad_()
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    (loss, grads), (ref, ref_grads) = _run(fn, [logits, hidden, weight, tokens, adv], backend)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    (record,) = backend.records
+    assert record.fallback_reason is None
+    assert [(s.lm_head, s.gradients_in_forward) for s in record.sites] == [(False, False), (True, True)]
