@@ -49,7 +49,7 @@ def _status(r: dict) -> str:
 def table(results: list[dict]) -> str:
     """One row per (workload, shape, dtype, method)."""
     headers = ["workload", "T", "V", "dtype", "method", "peak MiB", "x floor", "time ms",
-               "/ inductor", "1st call s", "|dloss|", "|dgrad|", "status"]
+               "/ inductor", "x SoL", "1st call s", "|dloss|", "|dgrad|", "status"]
     rows = []
     for r in results:
         ok = r.get("status") == "ok"
@@ -60,11 +60,12 @@ def table(results: list[dict]) -> str:
             "" if peak is None else f"{peak / r['floor_bytes']:.2f}",
             f"{r['time_s'] * 1e3:,.0f}" if ok else "",
             _time_vs_inductor(r, results),
+            f"{r['x_sol']:.2f}" if ok and r.get("x_sol") else "",
             _first_call(r) if ok else "",
             _sci(r.get("loss_diff")), _sci(r.get("grad_diff")),
             _status(r),
         ])
-    return tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) * 5 + ("right",) * 7 + ("left",))
+    return tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) * 5 + ("right",) * 8 + ("left",))
 
 
 def write_json(path: Path, machine: str, results: list[dict], **meta) -> None:

@@ -143,6 +143,26 @@ def _run(args, reference_dir: str) -> list[dict]:
     return done
 
 
+def add_sol(results: list[dict], device: str, steps: int = 5) -> None:
+    """Measure this machine's speed of light (`bench.sol`) for every configuration that ran, in
+    this run, and give each of its results `sol_s` and `x_sol` (step time over it)."""
+    from bench import sol
+
+    configs = sorted({(r["T"], r["V"], r["dtype"]) for r in results if r["status"] == "ok"})
+    limits = {}
+    for T, V, dtype in configs:
+        [row] = sol.run(T=(T,), V=(V,), dtypes=(dtype,), device=device, steps=steps)
+        if row.get("status") == "ok":
+            limits[T, V, dtype] = row["sol_s"]
+            print(f"SoL T={T} V={V} {dtype}: {row['sol_s'] * 1e3:.0f} ms", flush=True)
+        else:
+            print(f"SoL T={T} V={V} {dtype}: {row.get('status')}: {row.get('note', '')}", flush=True)
+    for r in results:
+        limit = limits.get((r["T"], r["V"], r["dtype"]))
+        if r["status"] == "ok" and limit:
+            r["sol_s"], r["x_sol"] = limit, r["time_s"] / limit
+
+
 def _inert(spec: Spec, done: list[dict]) -> str | None:
     """Why running `spec` would only repeat inductor, or None.
 
@@ -180,6 +200,7 @@ def parse_args(argv=None):
     p.add_argument("--cold-compile", action="store_true",
                    help="empty inductor cache per worker: first-call times are full compiles (slower run)")
     p.add_argument("--no-model", action="store_true", help="predict from measured ratios only")
+    p.add_argument("--no-sol", action="store_true", help="do not measure the speed of light (bench.sol) for x SoL")
     p.add_argument("--timeout", type=float, default=300, help="base seconds per worker before it is killed")
     args = p.parse_args(argv)
     fill_device_and_memory_limit(args)
@@ -192,6 +213,8 @@ def main(argv=None) -> int:
     print(f"machine: {machine}; memory limit {args.mem_limit_gib:.1f} GiB", flush=True)
     t0 = time.time()
     results = run(args)
+    if not args.no_sol:
+        add_sol(results, args.device, steps=args.steps)
     elapsed = time.time() - t0
     print()
     print(report.table(results))

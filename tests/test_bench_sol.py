@@ -25,3 +25,16 @@ def test_bench_sol_measures_a_tiny_configuration_in_a_worker():
     assert 0 < row["forward_s"] and 0 < row["backward_s"] and row["sol_s"] == row["forward_s"] + row["backward_s"]
     assert row["backward_max_abs_error"] < 1e-5
     assert "SoL ms" in sol.table([row])
+
+
+def test_the_suite_reports_each_result_as_a_multiple_of_the_sol():
+    from bench import report, suite
+
+    results = [dict(workload="ppo", method="graphpass", T=64, V=512, dtype="fp32", status="ok", time_s=0.5,
+                    peak_bytes=2 ** 17, floor_bytes=2 ** 17, first_call_s=1.0),
+               dict(workload="ppo", method="eager", T=64, V=1024, dtype="fp32", status="oom_predicted", note="predicted",
+                    floor_bytes=2 ** 18)]
+    suite.add_sol(results, "cpu", steps=2)
+    assert 0 < results[0]["sol_s"] and results[0]["x_sol"] == 0.5 / results[0]["sol_s"]
+    assert "x_sol" not in results[1]  # only configurations that ran are measured
+    assert "x SoL" in report.table(results)
