@@ -25,6 +25,7 @@ import graphpass
 from bench.ranks import collectives, run_ranks
 from bench.tp_losses import megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
+from test_vocab_parallel_functions import _funcol_logprob  # tests/ is on sys.path (also in the ranks)
 
 T, H, WIDTH, WORLD = 12, 16, 20, 2  # rows, hidden size, V/tp, tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -38,22 +39,6 @@ def _masked_ppo(logprob, entropy, old, adv, mask, ent_coef=0.01):
         pg = pg - ent_coef * entropy
     mask = mask.to(logprob.dtype)
     return (pg * mask).sum() / mask.sum()
-
-
-def _funcol_logprob(logits, target, group):
-    """slime's log-prob math written with differentiable functional all-reduces (their backward sums
-    the gradient over the ranks: each rank's loss counts on every rank)."""
-    import torch.distributed._functional_collectives as funcol
-
-    rows, width = logits.shape
-    first = dist.get_rank(group) * width
-    mask = (target < first) | (target >= first + width)
-    local = torch.where(mask, 0, target - first)
-    row_max = funcol.all_reduce(logits.detach().amax(-1, keepdim=True), "max", group)
-    shifted = logits - row_max
-    sum_exp = funcol.all_reduce(shifted.exp().sum(-1, keepdim=True), "sum", group)
-    predicted = funcol.all_reduce(shifted.gather(1, local[:, None]).masked_fill(mask[:, None], 0.0), "sum", group)
-    return (predicted - sum_exp.log())[:, 0]
 
 
 def _logprob_entropy(code, logits, target, group, kw):
