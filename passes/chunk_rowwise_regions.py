@@ -83,6 +83,8 @@ class _Site:
     loss: SummedLoss | None = None
     """The per-token loss math and its sum, when the op computes its gradients in forward."""
     recompute_reason: str | None = None
+    needs_grad: list | None = None
+    """With `loss`: per op input, whether the op computes its gradient (`_needs_grad`)."""
 
 
 def _build_site(region: Region, config, modes, order, record, taken=frozenset()) -> _Site:
@@ -102,11 +104,12 @@ def _build_site(region: Region, config, modes, order, record, taken=frozenset())
         extended = _with_loss(region, loss, order)
         try:
             program, input_nodes = _build_program(extended, config, head, loss)
+            needs_grad = _needs_grad(input_nodes)
             try:
-                program.prepare_gradients_in_forward(_needs_grad(input_nodes))
+                program.prepare_gradients_in_forward(needs_grad)
             except Exception as e:  # noqa: BLE001 - a kernel that does not trace is not used
                 raise RegionRejected(f"its backward kernel does not trace: {type(e).__name__}: {e}") from None
-            return _Site(extended, program, input_nodes, head, loss)
+            return _Site(extended, program, input_nodes, head, loss, needs_grad=needs_grad)
         except RegionRejected as e:
             why = f"the region with its loss math does not build: {e}"
     if head is not None:
@@ -354,7 +357,7 @@ def _replace(graph, site: _Site, replaced: dict):
             with fake_mode:
                 op.meta["val"] = [o.meta["val"] for o in region.outputs] + program.empty_saved(wide)
         else:
-            needs_grad = _needs_grad(input_nodes)
+            needs_grad = site.needs_grad  # the gradients its backward kernel was traced for
             op = graph.call_function(torch.ops.graphpass.rowwise_chunked_with_gradients.default,
                                      (program.key, tensors, sizes, needs_grad))
             with fake_mode:

@@ -89,6 +89,15 @@ class RegionProgram:
                 self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks)
 
     @property
+    def total_position(self) -> int:
+        """The output `forward_with_gradients` returns as a total: the one reduced output, the only
+        one that keeps a gradient."""
+        reduced = [j for j, spec in enumerate(self.outputs) if spec.reduction is not None]
+        if len(reduced) != 1 or any(spec.keeps_grad for j, spec in enumerate(self.outputs) if j not in reduced):
+            raise RuntimeError("graphpass: a program computes its gradients in forward for one total only")
+        return reduced[0]
+
+    @property
     def wide_input_positions(self) -> list[int]:
         return [i for i, spec in enumerate(self.inputs) if spec.role == WIDE]
 
@@ -231,16 +240,12 @@ class RegionProgram:
         self._check_token_ids(tensors, vocab)
         wide = tensors[self.wide_input_positions[0]]
         device = wide.device
-        reduced = [j for j, spec in enumerate(self.outputs) if spec.reduction is not None]
-        if len(reduced) != 1 or any(spec.keeps_grad for j, spec in enumerate(self.outputs) if j not in reduced):
-            raise RuntimeError("graphpass: a program computes its gradients in forward for one total only")
-        (total_at,) = reduced
+        total_at = self.total_position
         total_spec = self.outputs[total_at]
         outs = [None if spec.reduction else torch.empty(rows, spec.width, dtype=spec.dtype, device=device)
                 for spec in self.outputs]
         # Chunk totals summed in float64: the loss rounds once, like a single sum.
-        acc_dtype = torch.float64
-        total = torch.zeros((), dtype=acc_dtype, device=device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
         wanted = self._kernel_wanted(needs_grad)
         grads = [None] * len(tensors)
         if rows:
@@ -250,12 +255,7 @@ class RegionProgram:
             forward_kernel = self._get_forward_kernel()
             backward_kernel = self._get_backward_kernel((total_at,), wanted) if wanted else None
             chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
-            in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
-            summed = [i for i in wanted if i not in in_place]
-            sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
-            totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape,
-                                  dtype=torch.promote_types(tensors[i].dtype, torch.float32), device=device)
-                      for i in summed]
+            sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
             n = len(self.outputs)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
@@ -263,7 +263,7 @@ class RegionProgram:
                     values = forward_kernel(*kernel_args)
                     for j, value in enumerate(values[:n]):
                         if j == total_at:
-                            total += value.sum(dtype=acc_dtype)
+                            total += value.sum(dtype=torch.float64)
                         else:
                             outs[j][sl] = value
                     if backward_kernel is None:
@@ -272,15 +272,12 @@ class RegionProgram:
                     chunk_sums = backward_kernel(*kernel_args, *values[n:], seed[sl], *[s.slot(sl) for s in sinks])
                     for sink in sinks:
                         sink.take(sl, args)
-                    for acc, g in zip(totals, chunk_sums):
+                    for (_, acc), g in zip(totals, chunk_sums):
                         acc += g
                     # Views of the chunk's wide values: the next chunk may start a new block, and
                     # the finished block must be freed before that one is allocated.
                     del kernel_args, values
-            for sink in sinks:
-                sink.finish(grads)
-            for i, acc in zip(summed, totals):
-                grads[i] = acc.reshape(tensors[i].shape).to(tensors[i].dtype)
+            self._collect_gradients(tensors, grads, sinks, totals)
         if total_spec.reduction == "mean":
             total /= rows * total_spec.width  # no rows: nan, the mean of nothing, as torch's
         outs[total_at] = total.to(total_spec.dtype)
@@ -303,29 +300,36 @@ class RegionProgram:
         rows, vocab, blocks = self._layout(tensors)
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
         chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
-        # Per-row inputs get their gradient written in place, chunk by chunk (into one buffer of
-        # their dtype, see `_GradBuffer`); a broadcast input's gradient is a sum over chunks,
-        # accumulated in fp32.
-        in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
-        summed = [i for i in wanted if i not in in_place]
-        sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
-        # fp32 at least: a float64 input sums in float64.
-        totals = [torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape,
-                              dtype=torch.promote_types(tensors[i].dtype, torch.float32),
-                              device=tensors[i].device) for i in summed]
+        sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
         kernel = self._get_backward_kernel(active, wanted)
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
             chunk_sums = kernel(*self._kernel_args(tensors, args, sl, sinks), *[s[sl] for s in saved],
                                 *[g[sl] for g in flat_grad_outputs], *[sink.slot(sl) for sink in sinks])
             for sink in sinks:
                 sink.take(sl, args)
-            for total, g in zip(totals, chunk_sums):
+            for (_, total), g in zip(totals, chunk_sums):
                 total += g
+        self._collect_gradients(tensors, grads, sinks, totals)
+        return grads
+
+    def _gradient_destinations(self, tensors, needs_grad, wanted, rows, vocab, chunk):
+        """Where the backward kernel's gradients of the `wanted` inputs go: per-row inputs get theirs
+        written in place, chunk by chunk (sinks: one buffer of their dtype, see `_GradBuffer`); a
+        broadcast input's is a sum over chunks, `(position, total)`, in fp32 at least (a float64
+        input sums in float64)."""
+        in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
+        sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
+        totals = [(i, torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape,
+                                  dtype=torch.promote_types(tensors[i].dtype, torch.float32), device=tensors[i].device))
+                  for i in wanted if i not in in_place]
+        return sinks, totals
+
+    def _collect_gradients(self, tensors, grads, sinks, totals) -> None:
+        """Fill `grads` from the destinations of `_gradient_destinations`, once every chunk ran."""
         for sink in sinks:
             sink.finish(grads)
-        for i, total in zip(summed, totals):
+        for i, total in totals:
             grads[i] = total.reshape(tensors[i].shape).to(tensors[i].dtype)
-        return grads
 
     # ---- hooks: what a chunk's kernel reads and where its gradients go (`ops.lm_head`) ------
     def _kernel_args(self, tensors, args, sl, sinks=()):
@@ -351,9 +355,8 @@ class RegionProgram:
     def prepare_gradients_in_forward(self, needs_grad) -> None:
         """Trace now (at compile time) the backward kernel `forward_with_gradients` runs: traced
         lazily, it would be traced inside the compiled forward, where autograd is dispatched below."""
-        (total_at,) = [j for j, spec in enumerate(self.outputs) if spec.reduction is not None]
         wanted = self._kernel_wanted(needs_grad)
-        key = ((total_at,), wanted)
+        key = ((self.total_position,), wanted)
         if wanted and key not in self._backward_kernels and key not in self._backward_graphs:
             self._backward_graphs[key] = self.split.backward(*key)
 

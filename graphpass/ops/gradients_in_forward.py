@@ -60,7 +60,7 @@ def _setup_context(ctx, inputs, output):
     # `needs_grad` is what the graph's grad-flow tags said (`tag_grad_flow_pass`): an input that
     # requires grad but is not flagged receives no gradient from the loss, so None is exact.
     n = len(prog.outputs)
-    (ctx.total_at,) = [j for j, spec in enumerate(prog.outputs) if spec.reduction is not None]
+    ctx.total_at = prog.total_position
     ctx.needs_grad = list(needs_grad)
     # The gradient of `out_sizes`: None, but an empty list must come back as one (torch matches
     # the structure, and cannot tell an empty list of ints from one of tensors).
