@@ -81,9 +81,11 @@ class SiteRecord:
     gradients_in_forward: bool = False
     """True when the op also takes in the per-token loss math up to one sum over the rows and
     computes every gradient in its forward pass (`graphpass.analysis.summed_loss`): its backward
-    only scales them. The op's first output is then that sum."""
+    only scales them by the loss's gradient (nothing when that is 1). The op's first outputs are
+    then those sums."""
     recompute_reason: str | None = None
-    """Why an lm_head site's backward recomputes the logits instead (None: it does not)."""
+    """Why the site's backward recomputes its wide values instead (None: it does not, or no
+    output keeps a gradient)."""
 
     @property
     def grads_kept(self) -> list[bool]:

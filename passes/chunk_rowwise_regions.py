@@ -51,20 +51,23 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    built, taken = [], set()  # `taken`: the loss math (and sums) earlier sites took in
-    for region in regions:  # build and label every region before the graph changes under them
+    heads = [_lm_head(region, modes, record) for region in regions]
+    built, taken = {}, set()  # `taken`: the loss math (and sums) sites built before took in
+    # Build and label every region before the graph changes under them; those with an lm_head
+    # first: where two sites' gradients meet in one loss, taking it in saves an lm_head a GEMM.
+    for i in sorted(range(len(regions)), key=lambda i: heads[i] is None):
+        region = regions[i]
         try:
-            site = _build_site(region, config, modes, order, record, taken)
+            built[i] = _build_site(region, heads[i], config, modes, order, record, taken)
         except RegionRejected as e:
             record.rejected.append(Candidate(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
-        if site.loss is not None:
-            taken.update(site.loss.nodes, [site.loss.total])
-        record.sites.append(_site_record(region, site))
-        built.append(site)
+        if built[i].loss is not None:
+            taken.update(built[i].loss.nodes, built[i].loss.totals)
     replaced: dict = {}  # node -> the op output that replaced it: a later site may read it
-    for site in built:
+    for i, site in sorted(built.items()):
+        record.sites.append(_site_record(regions[i], site))
         _replace(gm.graph, site, replaced)
     # An output may be used before the region's last node; move such users after the op.
     stable_topological_sort(gm.graph)
@@ -87,18 +90,21 @@ class _Site:
     """With `loss`: per op input, whether the op computes its gradient (`_needs_grad`)."""
 
 
-def _build_site(region: Region, config, modes, order, record, taken=frozenset()) -> _Site:
-    """The richest rewrite of `region` that builds: with its lm_head and its loss math, with its
-    lm_head alone, or the region alone (each fallback's reason recorded). `taken`: nodes of the
-    loss math another site already took in."""
-    head = _lm_head(region, modes, record)
+def _build_site(region: Region, head: LmHead | None, config, modes, order, record, taken=frozenset()) -> _Site:
+    """The richest rewrite of `region` that builds: with its lm_head `head` and its loss math, with
+    its lm_head alone, or the region alone (each fallback's reason recorded). `taken`: nodes of
+    the loss math another site already took in."""
     loss, why = None, None
-    if head is not None:
-        if config.gradients_in_forward:
-            loss, why = match_summed_loss(region, modes, order)
-        else:
-            why = "gradients_in_forward=False"
-    if loss is not None and taken.intersection([*loss.nodes, loss.total]):
+    if not config.gradients_in_forward:
+        why = "gradients_in_forward=False"
+    elif head is None:
+        # Over given logits the recompute costs what it saves: the backward's one pass over the
+        # logits (reading them, writing their gradient) is the pass a forward with gradients
+        # would add; and a loss gradient other than 1 would cost one more, to scale them.
+        why = "it reads the logits: its backward's one pass over them costs what computing it in forward would"
+    else:
+        loss, why = match_summed_loss(region, modes, order)
+    if loss is not None and taken.intersection([*loss.nodes, *loss.totals]):
         loss, why = None, "its loss math is shared with another site's, which computes its gradients in forward"
     if loss is not None:
         extended = _with_loss(region, loss, order)
@@ -118,17 +124,19 @@ def _build_site(region: Region, config, modes, order, record, taken=frozenset())
         except RegionRejected as e:
             # The region alone may still be rewritten, reading the logits as today.
             _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
-    return _Site(region, *_build_program(region, config))
+    return _Site(region, *_build_program(region, config), recompute_reason=why)
 
 
 def _with_loss(region: Region, loss: SummedLoss, order) -> Region:
-    """`region` grown by its loss math: its first output the summand (summed by the op), then
+    """`region` grown by its loss math: its first outputs the summands (summed by the op), then
     every value still read outside, gradient-free (`match_summed_loss` checked)."""
     nodes = sorted([*region.nodes, *loss.nodes], key=order.__getitem__)
     inside = set(nodes)
     inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
-    escapes = [n for n in nodes if any(u not in inside and u is not loss.total for u in n.users)]
-    return Region(region.anchor, nodes, region.rows, loss.layouts, inputs, [loss.summand, *escapes], loss.place)
+    totals = set(loss.totals)
+    escapes = [n for n in nodes if any(u not in inside and u not in totals for u in n.users)]
+    return Region(region.anchor, nodes, region.rows, loss.layouts, inputs, [*loss.summands, *escapes], loss.place)
+
 
 
 def _drop_metadata_checks(graph: torch.fx.Graph) -> None:
@@ -235,7 +243,7 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
     """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram, or
     with `head` a LinearHeadProgram whose op reads the hidden states where the region reads the
     logits, and the weight and bias after the region's inputs. With `loss`, the region's first
-    output is the summand of `loss.total`, the only output that keeps a gradient."""
+    outputs are the summands of `loss.totals`, the only outputs that keep a gradient."""
     graph = torch.fx.Graph()
     env, specs, input_nodes = {}, [], []
     for node in region.inputs:
@@ -262,8 +270,8 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
             raise RegionRejected(f"output {o.name} is not a tensor")
         if loss is None:
             outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, grad_flows(o) is not False))
-        elif j == 0:  # the summand: the op returns its total
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, 0, True, loss.reduction))
+        elif j < len(loss.totals):  # a summand: the op returns its total
+            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, 0, True, loss.reductions[j]))
         else:
             outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, False))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
@@ -345,7 +353,7 @@ def _replace(graph, site: _Site, replaced: dict):
     region, program, head, loss = site.region, site.program, site.head, site.loss
     input_nodes = [replaced.get(n, n) for n in site.input_nodes]
     inside = set(region.nodes)
-    per_row = region.outputs[1:] if loss is not None else region.outputs
+    per_row = region.outputs[len(loss.totals):] if loss is not None else region.outputs
     with graph.inserting_before(region.place.next):
         sizes = [_size_node(graph, s, input_nodes) for o in per_row for s in o.meta["val"].shape]
         wide = input_nodes[program.wide_input_positions[0]].meta["val"]
@@ -358,28 +366,69 @@ def _replace(graph, site: _Site, replaced: dict):
                 op.meta["val"] = [o.meta["val"] for o in region.outputs] + program.empty_saved(wide)
         else:
             needs_grad = site.needs_grad  # the gradients its backward kernel was traced for
+            seeds = _coefficients(graph, loss, fake_mode, replaced)
             op = graph.call_function(torch.ops.graphpass.rowwise_chunked_with_gradients.default,
-                                     (program.key, tensors, sizes, needs_grad))
+                                     (program.key, tensors, sizes, needs_grad, seeds))
             with fake_mode:
-                op.meta["val"] = [loss.total.meta["val"], *[o.meta["val"] for o in per_row],
+                op.meta["val"] = [*[t.meta["val"] for t in loss.totals], *[o.meta["val"] for o in per_row],
+                                  torch.empty_like(loss.totals[0].meta["val"]),
                                   *[torch.empty_like(n.meta["val"]) for n, need in zip(tensors, needs_grad) if need],
                                   torch.empty((), dtype=torch.int64)]
         if region.anchor.meta.get("stack_trace"):
             op.meta["stack_trace"] = region.anchor.meta["stack_trace"]
         op.meta["graphpass.program"] = program.key
-        outs = [loss.total, *per_row] if loss is not None else region.outputs
+        outs = [*loss.totals, *per_row] if loss is not None else region.outputs
         for i, out in enumerate(outs):
             item = graph.call_function(operator.getitem, (op, i))
             item.meta.update(out.meta)
             out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
             replaced[out] = item
+        if loss is not None:
+            gradient_carrier = graph.call_function(operator.getitem, (op, len(outs)))
+            gradient_carrier.meta["val"] = op.meta["val"][len(outs)]
     if loss is not None:
-        graph.erase_node(loss.total)
+        _add_gradient_carrier(graph, replaced.get(loss.sink, loss.sink), gradient_carrier, fake_mode)
+        for total in loss.totals:
+            graph.erase_node(total)
     for node in reversed(region.nodes):
         graph.erase_node(node)
     if head is not None:  # the logits' metadata checks, then the matmul; the weight's `t` is dead code
         for node in reversed(head.nodes):
             graph.erase_node(node)
+
+
+def _coefficients(graph, loss: SummedLoss, fake_mode, replaced) -> list:
+    """Nodes computing each total's coefficient in the sink, d sink / d total, by reverse mode over
+    the affine steps from the factors outside the region (the op's seeds: what autograd would
+    send each total for a sink gradient of 1)."""
+    sink = loss.sink.meta["val"]
+    adjoint = {loss.sink: fake_node(graph, fake_mode, aten.scalar_tensor.default, (1.0,),
+                                    dict(dtype=sink.dtype, device=sink.device))}
+    for node, operand, step in reversed(loss.affine):
+        if node not in adjoint:
+            continue
+        g = adjoint[node]
+        if step[0] == "neg":
+            g = fake_node(graph, fake_mode, aten.neg.default, (g,))
+        elif step[0] in ("mul", "div"):
+            factor = replaced.get(step[1], step[1]) if isinstance(step[1], torch.fx.Node) else step[1]
+            g = fake_node(graph, fake_mode, aten.mul.Tensor if step[0] == "mul" else aten.div.Tensor, (g, factor))
+        dtype = operand.meta["val"].dtype  # "one" and "cast": the same gradient, in the operand's dtype
+        if g.meta["val"].dtype != dtype:
+            g = fake_node(graph, fake_mode, aten._to_copy.default, (g,), dict(dtype=dtype))
+        adjoint[operand] = g if operand not in adjoint else fake_node(graph, fake_mode, aten.add.Tensor,
+                                                                      (adjoint[operand], g))
+    return [adjoint[t] for t in loss.totals]
+
+
+def _add_gradient_carrier(graph, sink, carrier, fake_mode) -> None:
+    """`sink + carrier` in place of `sink` for every reader: the carrier is the op's -0.0 (the sum
+    is `sink` exactly, whatever its value) whose gradient, the sink's, scales the op's gradients."""
+    with graph.inserting_after(sink):
+        if carrier.meta["val"].dtype != sink.meta["val"].dtype:  # the first total's dtype
+            carrier = fake_node(graph, fake_mode, aten._to_copy.default, (carrier,), dict(dtype=sink.meta["val"].dtype))
+        total = fake_node(graph, fake_mode, aten.add.Tensor, (sink, carrier), like=sink)
+    sink.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
 
 def _needs_grad(nodes) -> list[bool]:
@@ -401,12 +450,11 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
     vocab = size_hint(wide.shape[-1])
     rows = size_hint(wide.numel()) // vocab if vocab else 0
     itemsize = wide.dtype.itemsize
-    extra = {}
+    extra = dict(gradients_in_forward=loss is not None, recompute_reason=site.recompute_reason)
     if head is not None:
         forward_workspace = program.workspace_bytes(rows, vocab, itemsize, backward=loss is not None)
-        extra = dict(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
-                     forward_workspace_bytes=forward_workspace, gradients_in_forward=loss is not None,
-                     recompute_reason=site.recompute_reason)
+        extra.update(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
+                     forward_workspace_bytes=forward_workspace)
     return SiteRecord(
         kind="+".join(label.kind for label in labels),
         source=source_of(region.anchor),

@@ -95,9 +95,12 @@ def test_entropy_gradient_in_the_same_sum():
     assert site.gradients_in_forward
 
 
-def test_an_entropy_bonus_summed_apart_recomputes():
-    # Two masked means: two sums of the rows, each its own gradient (not yet combined).
-    assert "2 sums" in _recomputed(lambda *t: ppo(*t, ent_coef=0.01))
+@pytest.mark.parametrize("seed", [None, 3.0])
+def test_an_entropy_bonus_summed_apart(seed):
+    """Two masked means, `pg_sum / n - c * ent_sum / n`: the loss is affine in the two sums, with
+    coefficients `1 / n` and `-c / n` known before the op runs, so one backward kernel takes both."""
+    site, _ = _check(lambda *t: ppo(*t, ent_coef=0.01), _batch(), seeds=(seed,))
+    assert site.gradients_in_forward and site.recompute_reason is None
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -192,12 +195,39 @@ def test_per_sequence_sums_recompute():
     assert _recomputed(fn) is not None
 
 
-def test_a_returned_log_prob_recomputes():
+def test_sums_added_into_one_loss():
     def fn(hidden, weight, tokens, old_logp, adv, mask):
         logp, _ = _logprob_entropy(F.linear(hidden, weight), tokens)
         return -(logp * adv).sum() + 0 * logp.mean() + logp.square().sum()
 
-    assert "2 sums" in _recomputed(fn)
+    site, _ = _check(fn, _batch())
+    assert site.gradients_in_forward
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_a_returned_log_prob_recomputes(head):
+    """A per-token value the graph returns may get a gradient from outside the loss (here
+    `loss + logp.sum()`): the op keeps it differentiable and recomputes."""
+    def fn(hidden, weight, tokens, adv):
+        logits = F.linear(hidden, weight) if head else hidden
+        logp, _ = _logprob_entropy(logits, tokens)
+        return -(logp * adv).sum(), logp
+
+    hidden, weight, tokens, _, adv, _ = _batch()
+    if not head:
+        hidden = torch.randn(T, V, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    results = []
+    for f, inputs in ((torch.compile(fn, backend=backend), [hidden, weight, tokens, adv]),
+                      (fn, _clone([hidden, weight, tokens, adv]))):
+        loss, logp = f(*inputs)
+        (loss + logp.sum()).backward()
+        results.append([t.grad for t in inputs if t.requires_grad])
+    for mine, theirs in zip(*results):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    (site,) = backend.records[0].sites
+    assert not site.gradients_in_forward
+    assert ("is returned" if head else "reads the logits") in site.recompute_reason
 
 
 def test_option_off_recomputes():

@@ -61,10 +61,59 @@ def _run_split(split, args, grad_outputs, active, wanted):
 def test_forward_saves_row_statistics_and_backward_does_not_reduce_them_again():
     args = [torch.randn(6, V), torch.randint(0, V, (6, 1))]
     split = _split(LogprobEntropy(), args)
-    assert [s.tail for s in split.saved] == [(1,), (1,)]  # the row max and log-sum-exp
-    backward = split.backward((0,), (0,))
-    assert aten.amax.default not in _targets(backward)
-    assert aten.log.default not in _targets(backward)
+    # The row max, the log-sum-exp and the sums the entropy's gradient reads (`row_sums`).
+    assert split.saved and all(s.tail == (1,) for s in split.saved)
+    for active in ((0,), (0, 1)):
+        backward = split.backward(active, (0,))
+        assert aten.amax.default not in _targets(backward)
+        assert aten.log.default not in _targets(backward)
+        # One pass: read the logits, write the gradient; no sum over the row left.
+        assert aten.sum.dim_IntList not in _targets(backward)
+
+
+def test_the_forward_sums_each_row_in_one_pass_after_its_max():
+    """The entropy's sum needs the log-sum-exp once its row constants are out (`row_sums`): every
+    forward row sum depends on the max only, so they all run in one pass after it."""
+    args = [torch.randn(6, V), torch.randint(0, V, (6, 1))]
+    forward = _split(LogprobEntropy(), args).forward
+    sums = [n for n in forward.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert len(sums) == 2
+    for node in sums:
+        ancestors, todo = set(), list(node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n not in ancestors:
+                ancestors.add(n)
+                todo.extend(n.all_input_nodes)
+        assert not any(a.target is aten.sum.dim_IntList for a in ancestors)
+
+
+@pytest.mark.parametrize("active", [(0,), (1,), (0, 1)])
+def test_the_fused_kernel_matches_autograd(active):
+    """`JointSplit.fused`: forward and backward in one graph, as a gradient known in forward runs."""
+    logits, index = torch.randn(7, V), torch.randint(0, V, (7, 1))
+    module = LogprobEntropy()
+    fused = _split(module, [logits, index]).fused(active, (0,))
+    grad_outputs = [torch.randn(7, 1) for _ in active]
+    grad = torch.empty_like(logits)
+    outs = fused(logits, index, *grad_outputs, grad)
+    _, vjp = torch.func.vjp(lambda x: tuple(module(x, index)[j] for j in active), logits)
+    for out, ref in zip(outs, module(logits, index)):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, vjp(tuple(grad_outputs))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_common_subexpressions_are_merged_in_functional_graphs_only():
+    from graphpass.ops.row_sums import merge_common_subexpressions
+
+    def program(x):
+        y = torch.ops.aten.exp.default(x)
+        torch.ops.aten.add_.Tensor(x, 1.0)  # x changed: the second exp(x) is another value
+        return y, torch.ops.aten.exp.default(x)
+
+    gm = torch.fx.symbolic_trace(program)
+    with pytest.raises(ValueError, match="in-place"):
+        merge_common_subexpressions(gm.graph)
 
 
 def test_gather_reads_the_input_and_its_backward_is_a_select():

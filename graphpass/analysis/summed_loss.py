@@ -28,18 +28,30 @@ _TOTALS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.defau
 
 @dataclasses.dataclass
 class SummedLoss:
-    """`total = sum(summand)` (or mean) over all rows, the summand per-row math of the region's outputs."""
+    """`totals[k] = sum(summands[k])` (or mean) over all rows, each summand per-row math of the
+    region's outputs, and `sink`, the one value the gradient reaches the outputs through, an
+    affine function of the totals with coefficients that do not depend on the region."""
 
     nodes: list
-    """The per-row nodes between the region's outputs and `summand` (inclusive), in graph order."""
-    summand: torch.fx.Node
-    total: torch.fx.Node
-    reduction: str
-    """"sum" or "mean"."""
+    """The per-row nodes between the region's outputs and the summands (inclusive), in graph order."""
+    summands: list
+    totals: list
+    reductions: list
+    """Per total: "sum" or "mean"."""
+    sink: torch.fx.Node
+    """A total, or the scalar the totals reach through `affine` (e.g. the loss itself)."""
+    affine: list
+    """`(node, operand, step)` in graph order: `node` is affine in `operand`, itself a total or an
+    earlier node, with d node / d operand = `step` (see `AFFINE_STEPS`)."""
     place: torch.fx.Node
-    """The op goes after this node: the region's place or the last outside value the nodes read."""
+    """The op goes after this node: the region's place or the last outside value the op reads."""
     layouts: dict
     """The row layouts of `nodes`."""
+
+    @property
+    def factors(self) -> list:
+        """The outside nodes the coefficients d sink / d total are computed from."""
+        return [f for _, _, step in self.affine for f in step[1:] if isinstance(f, torch.fx.Node)]
 
 
 def _reduction(node, operand) -> str | None:
@@ -66,7 +78,8 @@ def _passes_gradient(user, node, modes) -> bool:
 
 
 def match_summed_loss(region, modes, order) -> tuple[SummedLoss | None, str | None]:
-    """The per-row math from `region`'s outputs to one sum over its rows, or (None, why not).
+    """The per-row math from `region`'s outputs to sums over its rows and on to one affine sink,
+    or (None, why not).
 
     (None, None): no output of the region carries a gradient (nothing to compute in forward).
     """
@@ -93,26 +106,99 @@ def match_summed_loss(region, modes, order) -> tuple[SummedLoss | None, str | No
             layouts[user] = rowlocal.node_layout(user, region.rows)
             taken.add(user)
             frontier.append(user)
-    if len(totals) != 1:
-        where = ", ".join(source_of(t) for t in totals) or "no sum over all rows"
-        return None, f"its gradient reaches the loss through {len(totals)} sums of its rows ({where}), not one"
-    total = totals[0]
-    summand = total.args[0]
-    # Only what the summand is computed from: other per-row math stays outside, gradient-free.
-    nodes = sorted(_ancestors_within(summand, taken), key=order.__getitem__)
+    returned = [n for n in [*start, *taken] if any(u.op == "output" for u in n.users)]
+    if returned:
+        # A gradient may reach it from outside the graph, which the loss's sums do not see.
+        return None, f"its per-row value {returned[0].name} at {source_of(returned[0])} is returned"
+    if not totals:
+        return None, "its gradient reaches the loss through no sum over all rows"
+    totals.sort(key=order.__getitem__)
+    summands = [t.args[0] for t in totals]
+    # Only what the summands are computed from: other per-row math stays outside, gradient-free.
+    nodes = sorted(set().union(*(_ancestors_within(s, taken) for s in summands)), key=order.__getitem__)
     if set(nodes) != taken:
         extra = min(taken - set(nodes), key=order.__getitem__)
-        return None, f"{extra.name} at {source_of(extra)} carries a gradient but does not reach the sum"
+        return None, f"{extra.name} at {source_of(extra)} carries a gradient but does not reach a sum"
     produced = inside | taken
     outside = [a for n in nodes for a in n.all_input_nodes if a not in produced]
     downstream = _descendants([*region.outputs, *nodes])
     for a in outside:
         if a in downstream:
             return None, f"its loss math reads {a.name}, computed from its own outputs"
-    place = max([region.place, *outside], key=order.__getitem__)
-    if not modes[place] or any(not modes[n] for n in nodes):
+    sink, affine = _affine_sink(totals, modes, order, downstream)
+    if sink is None:
+        if len(totals) > 1:
+            where = ", ".join(source_of(t) for t in totals)
+            return None, (f"its gradient reaches the outputs through {len(totals)} sums of its rows ({where}), "
+                          "not through one value affine in them")
+        sink, affine = totals[0], []
+    loss = SummedLoss(nodes, summands, totals, [_reduction(t, s) for t, s in zip(totals, summands)], sink, affine,
+                      region.place, layouts)
+    loss.place = max([region.place, *outside, *loss.factors], key=order.__getitem__)
+    if not modes[loss.place] or any(not modes[n] for n in nodes):
         return None, "its loss math runs under no_grad"
-    return SummedLoss(nodes, summand, total, _reduction(total, summand), place, layouts), None
+    return loss, None
+
+
+# Scalar ops through which a value stays affine in its operand: the step d node / d operand is
+# ("one",), ("neg",), ("mul", c), ("div", c) or ("cast",), with c a number or a node.
+def _affine_steps(node, affine: set) -> list | None:
+    """`(operand, step)` for each operand of `node` in `affine`, or None where `node` is not affine
+    in them (a product of two of them, a division by one, an op not listed)."""
+    args = rowlocal.normalized_args(node)
+    if args is None:
+        return None
+    target = node.target
+    operands = [a for a in node.all_input_nodes if a in affine]
+    if target in (aten.mul.Tensor, aten.mul.Scalar):
+        x, y = args["self"], args["other"]
+        if len(operands) != 1 or x is y:
+            return None
+        return [(x, ("mul", y))] if x in affine else [(y, ("mul", x))]
+    if target in (aten.div.Tensor, aten.div.Scalar):
+        if operands != [args["self"]] or args.get("rounding_mode") is not None:
+            return None
+        return [(args["self"], ("div", args["other"]))]
+    if target in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
+        alpha = args.get("alpha", 1)
+        if isinstance(alpha, torch.fx.Node):
+            return None
+        steps = [(args["self"], ("one",))] if args["self"] in affine else []
+        if args["other"] in affine:
+            sign = -alpha if target in (aten.sub.Tensor, aten.sub.Scalar) else alpha
+            steps.append((args["other"], ("one",) if sign == 1 else ("mul", sign)))
+        return steps
+    if target is aten.neg.default:
+        return [(args["self"], ("neg",))]
+    if target in (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default):
+        return [(args["self"], ("cast",))]
+    return None
+
+
+def _affine_sink(totals, modes, order, dependent) -> tuple:
+    """(sink, affine steps): the one value through which a gradient from the outputs reaches the
+    totals, affine in them with coefficients computed from values outside `dependent` (the
+    region's descendants); (None, None) where there is none."""
+    affine, steps = set(totals), []
+    for node in sorted(_descendants(totals), key=order.__getitem__):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not modes[node] or not isinstance(val, torch.Tensor) \
+                or val.ndim != 0 or not val.is_floating_point():
+            continue
+        found = _affine_steps(node, affine)
+        if not found or any(isinstance(f, torch.fx.Node) and f in dependent for _, step in found for f in step[1:]):
+            continue
+        affine.add(node)
+        steps += [(node, operand, step) for operand, step in found]
+    exits = [n for n in affine if any(u.op == "output" or (u not in affine and _passes_gradient(u, n, modes))
+                                      for u in n.users)]
+    if len(exits) != 1:
+        return None, None
+    [sink] = exits
+    reaching = _ancestors_within(sink, affine)
+    if not set(totals) <= reaching:
+        return None, None
+    return sink, [s for s in steps if s[0] in reaching]
 
 
 def _ancestors_within(node, allowed) -> set:

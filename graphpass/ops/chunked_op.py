@@ -34,8 +34,9 @@ _TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
 
 # Part of every program's key, so that a compiled graph cached on disk by an older graphpass,
-# whose ops returned other outputs, is never reused: bump it when an op's outputs change.
-OPS_FORMAT = 2
+# whose ops returned other outputs, is never reused: bump it when an op's outputs or arguments
+# change (the saved row statistics too).
+OPS_FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +90,13 @@ class RegionProgram:
                 self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks)
 
     @property
-    def total_position(self) -> int:
-        """The output `forward_with_gradients` returns as a total: the one reduced output, the only
-        one that keeps a gradient."""
-        reduced = [j for j, spec in enumerate(self.outputs) if spec.reduction is not None]
-        if len(reduced) != 1 or any(spec.keeps_grad for j, spec in enumerate(self.outputs) if j not in reduced):
-            raise RuntimeError("graphpass: a program computes its gradients in forward for one total only")
-        return reduced[0]
+    def total_positions(self) -> tuple[int, ...]:
+        """The outputs `forward_with_gradients` returns as totals: the reduced ones, the only ones
+        that keep a gradient."""
+        reduced = tuple(j for j, spec in enumerate(self.outputs) if spec.reduction is not None)
+        if not reduced or any(spec.keeps_grad for j, spec in enumerate(self.outputs) if j not in reduced):
+            raise RuntimeError("graphpass: a program computes its gradients in forward for its totals only")
+        return reduced
 
     @property
     def wide_input_positions(self) -> list[int]:
@@ -126,12 +127,13 @@ class RegionProgram:
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
         return outs + self.empty_saved(wide)
 
-    def fake_outputs_with_gradients(self, tensors, out_sizes, needs_grad):
-        """Empty outputs of `forward_with_gradients`: outputs (a reduced one 0-d), then gradients."""
+    def fake_outputs_with_gradients(self, tensors, out_sizes, needs_grad, seeds):
+        """Empty outputs of `forward_with_gradients`: outputs (reduced ones 0-d), the gradient
+        carrier, then gradients."""
         device = tensors[self.wide_input_positions[0]].device
         outs = [torch.empty(() if spec.reduction else shape, dtype=spec.dtype, device=device)
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
-        return outs + [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
+        return outs + [torch.empty_like(seeds[0])] + [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
 
     def empty_saved(self, wide):
         """Empty buffers, one row per row of the wide input `wide`, for the saved row statistics."""
@@ -232,59 +234,66 @@ class RegionProgram:
         return _torch_api.compile_kernel(graph_module, self.inner)
 
     # ---- forward and backward in one pass ------------------------------------------------
-    def forward_with_gradients(self, tensors, out_sizes, needs_grad):
-        """The outputs (a reduced one as its 0-d total), then the gradient of each input flagged in
-        `needs_grad` for a total whose gradient is 1: each chunk's backward kernel runs right
-        after its forward kernel, on the same wide values, so nothing is recomputed later."""
+    def forward_with_gradients(self, tensors, out_sizes, needs_grad, seeds):
+        """The outputs (reduced ones as their 0-d totals), a -0.0 of the seeds' dtype that carries
+        the gradient, then the gradient of each input flagged in `needs_grad` for the totals'
+        gradients `seeds` (0-d): one kernel per chunk computes both (`JointSplit.fused`), reading
+        each wide row once, so nothing is recomputed later."""
         rows, vocab, blocks = self._layout(tensors)
         self._check_token_ids(tensors, vocab)
         wide = tensors[self.wide_input_positions[0]]
         device = wide.device
-        total_at = self.total_position
-        total_spec = self.outputs[total_at]
+        reduced = self.total_positions
         outs = [None if spec.reduction else torch.empty(rows, spec.width, dtype=spec.dtype, device=device)
                 for spec in self.outputs]
         # Chunk totals summed in float64: the loss rounds once, like a single sum.
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        totals = {j: torch.zeros((), dtype=torch.float64, device=device) for j in reduced}
         wanted = self._kernel_wanted(needs_grad)
         grads = [None] * len(tensors)
         if rows:
-            count = rows * total_spec.width
-            seed = torch.full((rows, total_spec.width), 1.0 if total_spec.reduction == "sum" else 1.0 / count,
-                              dtype=total_spec.dtype, device=device)
-            forward_kernel = self._get_forward_kernel()
-            backward_kernel = self._get_backward_kernel((total_at,), wanted) if wanted else None
+            row_seeds = [self._row_seed(self.outputs[j], seed, rows, device) for j, seed in zip(reduced, seeds)]
+            # Without gradients to compute (no input needs one) the forward kernel alone.
+            kernel = self._get_fused_kernel(reduced, wanted) if wanted else self._get_forward_kernel()
             chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
-            sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
+            sinks, sums = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
             n = len(self.outputs)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
                     kernel_args = self._kernel_args(tensors, args, sl, sinks)
-                    values = forward_kernel(*kernel_args)
+                    if wanted:
+                        values = kernel(*kernel_args, *[s[sl] for s in row_seeds], *[s.slot(sl) for s in sinks])
+                    else:
+                        values = kernel(*kernel_args)
                     for j, value in enumerate(values[:n]):
-                        if j == total_at:
-                            total += value.sum(dtype=torch.float64)
+                        if j in totals:
+                            totals[j] += value.sum(dtype=torch.float64)
                         else:
                             outs[j][sl] = value
-                    if backward_kernel is None:
-                        del kernel_args, values
-                        continue
-                    chunk_sums = backward_kernel(*kernel_args, *values[n:], seed[sl], *[s.slot(sl) for s in sinks])
-                    for sink in sinks:
-                        sink.take(sl, args)
-                    for (_, acc), g in zip(totals, chunk_sums):
-                        acc += g
+                    if wanted:
+                        for sink in sinks:
+                            sink.take(sl, args)
+                        for (_, acc), g in zip(sums, values[n:]):
+                            acc += g
                     # Views of the chunk's wide values: the next chunk may start a new block, and
                     # the finished block must be freed before that one is allocated.
                     del kernel_args, values
-            self._collect_gradients(tensors, grads, sinks, totals)
-        if total_spec.reduction == "mean":
-            total /= rows * total_spec.width  # no rows: nan, the mean of nothing, as torch's
-        outs[total_at] = total.to(total_spec.dtype)
-        result = [o if j == total_at else o.reshape(shape)
+            self._collect_gradients(tensors, grads, sinks, sums)
+        for j, total in totals.items():
+            if self.outputs[j].reduction == "mean":
+                total /= rows * self.outputs[j].width  # no rows: nan, the mean of nothing, as torch's
+            outs[j] = total.to(self.outputs[j].dtype)
+        result = [o if j in totals else o.reshape(shape)
                   for j, (o, shape) in enumerate(zip(outs, self._split_sizes(out_sizes)))]
-        return result + [torch.zeros_like(t) if g is None else g
-                         for t, g, need in zip(tensors, grads, needs_grad) if need]
+        carrier = torch.full((), -0.0, dtype=seeds[0].dtype, device=seeds[0].device)
+        return result + [carrier] + [torch.zeros_like(t) if g is None else g
+                                     for t, g, need in zip(tensors, grads, needs_grad) if need]
+
+    @staticmethod
+    def _row_seed(spec: OutputSpec, seed, rows, device):
+        """The gradient every row of a reduced output gets from its total's gradient `seed`."""
+        if spec.reduction == "mean":
+            seed = seed / (rows * spec.width)
+        return seed.to(device=device, dtype=spec.dtype).expand(rows, spec.width).contiguous()
 
     # ---- backward ----------------------------------------------------------------------
     def backward(self, tensors, saved, needs_grad, grad_outputs):
@@ -352,13 +361,20 @@ class RegionProgram:
             self._backward_kernels[key] = self._compile(graph)
         return self._backward_kernels[key]
 
+    def _get_fused_kernel(self, active, wanted):
+        key = ("fused", active, wanted)
+        if key not in self._backward_kernels:
+            graph = self._backward_graphs.pop(key, None) or self.split.fused(active, wanted)
+            self._backward_kernels[key] = self._compile(graph)
+        return self._backward_kernels[key]
+
     def prepare_gradients_in_forward(self, needs_grad) -> None:
-        """Trace now (at compile time) the backward kernel `forward_with_gradients` runs: traced
-        lazily, it would be traced inside the compiled forward, where autograd is dispatched below."""
+        """Trace now (at compile time) the kernel `forward_with_gradients` runs: traced lazily, it
+        would be traced inside the compiled forward, where autograd is dispatched below."""
         wanted = self._kernel_wanted(needs_grad)
-        key = ((self.total_position,), wanted)
+        key = ("fused", self.total_positions, wanted)
         if wanted and key not in self._backward_kernels and key not in self._backward_graphs:
-            self._backward_graphs[key] = self.split.backward(*key)
+            self._backward_graphs[key] = self.split.fused(*key[1:])
 
 
 class _GradBuffer:

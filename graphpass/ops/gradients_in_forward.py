@@ -1,12 +1,14 @@
 """The chunked op that computes its gradients in its forward pass.
 
-`graphpass::rowwise_chunked_with_gradients(key, tensors, out_sizes, needs_grad)` runs a registered
-program whose one differentiable output is a total over all rows (`OutputSpec.reduction`, see
-`graphpass.analysis.summed_loss`). Its forward returns the outputs, the gradient of each input
-flagged in `needs_grad` for a total whose gradient is 1 (`RegionProgram.forward_with_gradients`),
-and a count of the backward passes that used them. Its backward scales the saved gradients by the
-total's gradient `g`, in place (`graphpass::scale_gradients_`), and returns them: no recompute, no
-new buffer.
+`graphpass::rowwise_chunked_with_gradients(key, tensors, out_sizes, needs_grad, seeds)` runs a
+registered program whose differentiable outputs are totals over all rows (`OutputSpec.reduction`),
+summed into the loss with coefficients known before it runs, `seeds` (see
+`graphpass.analysis.summed_loss`). Its forward returns the outputs (the totals carry no gradient),
+a -0.0 the graph adds to the loss (the "carrier"), the gradient of each input flagged in
+`needs_grad` for a loss gradient of 1 (`RegionProgram.forward_with_gradients`), and a count of the
+backward passes that used them. Its backward scales the saved gradients by the carrier's gradient
+`g`, the loss's, in place (`graphpass::scale_gradients_`; skipped when `g` is exactly 1, as after
+`loss.backward()`), and returns them: no recompute, no new buffer.
 
 Scaled in place, they may become a `.grad` (autograd takes a returned buffer it alone holds), so
 they cannot serve a second backward through a retained graph: that raises, never rescales.
@@ -25,22 +27,22 @@ _SECOND_BACKWARD = ("graphpass: a second backward through a retained graph of a 
 
 @torch.library.custom_op("graphpass::rowwise_chunked_with_gradients", mutates_args=())
 def rowwise_chunked_with_gradients(key: str, tensors: list[torch.Tensor], out_sizes: list[int],
-                                   needs_grad: list[bool]) -> list[torch.Tensor]:
-    """Outputs, then the flagged inputs' gradients for a total of gradient 1, then how many
-    backward passes used them (0, int64, on the CPU)."""
-    outs = program(key).forward_with_gradients(tensors, out_sizes, needs_grad)
+                                   needs_grad: list[bool], seeds: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs, the carrier, the flagged inputs' gradients for the totals' gradients `seeds`, then
+    how many backward passes used them (0, int64, on the CPU)."""
+    outs = program(key).forward_with_gradients(tensors, out_sizes, needs_grad, seeds)
     return outs + [torch.zeros((), dtype=torch.int64)]
 
 
 @rowwise_chunked_with_gradients.register_fake
-def _(key, tensors, out_sizes, needs_grad):
-    return program(key).fake_outputs_with_gradients(tensors, out_sizes, needs_grad) + [
+def _(key, tensors, out_sizes, needs_grad, seeds):
+    return program(key).fake_outputs_with_gradients(tensors, out_sizes, needs_grad, seeds) + [
         torch.empty((), dtype=torch.int64)]
 
 
 @torch.library.custom_op("graphpass::scale_gradients_", mutates_args=("grads", "calls"))
 def scale_gradients_(grads: list[torch.Tensor], calls: torch.Tensor, g: torch.Tensor) -> None:
-    """Scale `grads` (for a total of gradient 1) by the total's gradient `g`, once."""
+    """Scale `grads` (for a loss of gradient 1) by the loss's gradient `g`, once."""
     if int(calls) > 0:
         raise RuntimeError(_SECOND_BACKWARD)
     if not (g.device.type == "cpu" and bool(g == 1)):  # skip the no-op multiply where it is free to know
@@ -55,29 +57,28 @@ def _(grads, calls, g):
 
 
 def _setup_context(ctx, inputs, output):
-    key, tensors, out_sizes, needs_grad = inputs
-    prog = program(key)
+    key, tensors, out_sizes, needs_grad, seeds = inputs
     # `needs_grad` is what the graph's grad-flow tags said (`tag_grad_flow_pass`): an input that
     # requires grad but is not flagged receives no gradient from the loss, so None is exact.
-    n = len(prog.outputs)
-    ctx.total_at = prog.total_position
+    ctx.carrier_at = len(program(key).outputs)
     ctx.needs_grad = list(needs_grad)
     # The gradient of `out_sizes`: None, but an empty list must come back as one (torch matches
     # the structure, and cannot tell an empty list of ints from one of tensors).
     ctx.sizes_grad = None if out_sizes else []
-    ctx.save_for_backward(*output[n:])
-    ctx.mark_non_differentiable(*[o for j, o in enumerate(output) if j != ctx.total_at])
+    ctx.seeds_grad = [None] * len(seeds)  # the carrier's value does not depend on them
+    ctx.save_for_backward(*output[ctx.carrier_at + 1:])
+    ctx.mark_non_differentiable(*[o for j, o in enumerate(output) if j != ctx.carrier_at])
     ctx.set_materialize_grads(False)  # no zeros for the outputs that have no gradient
 
 
 def _backward(ctx, grad_outputs):
     *grads, calls = ctx.saved_tensors
-    g = grad_outputs[ctx.total_at]
+    g = grad_outputs[ctx.carrier_at]
     if g is None:
-        return None, [None] * len(ctx.needs_grad), ctx.sizes_grad, None
+        return None, [None] * len(ctx.needs_grad), ctx.sizes_grad, None, ctx.seeds_grad
     scale_gradients_(grads, calls, g)
     it = iter(grads)
-    return None, [next(it) if need else None for need in ctx.needs_grad], ctx.sizes_grad, None
+    return None, [next(it) if need else None for need in ctx.needs_grad], ctx.sizes_grad, None, ctx.seeds_grad
 
 
 rowwise_chunked_with_gradients.register_autograd(_backward, setup_context=_setup_context)

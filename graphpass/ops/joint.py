@@ -8,7 +8,9 @@ such as the max and the log-sum-exp, `[rows, w]` with w far below the vocabulary
 backward recomputes everything wide from the inputs in one pass. So the backward never re-runs
 the forward's reductions, and what the op saves across forward and backward is O(rows).
 
-Two peephole rewrites keep each kernel a single fused pass (see `peephole`).
+Each trace's row sums have their row constants taken out first (`row_sums`), so the forward
+computes every sum in one pass and the backward reads the forward's instead of summing again;
+two peephole rewrites keep each kernel a single fused pass (see `peephole`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
-from graphpass.ops import peephole
+from graphpass.ops import peephole, row_sums
 
 aten = torch.ops.aten
 
@@ -54,6 +56,7 @@ class JointSplit:
     backward(active, wanted): (args..., saved..., grad of each active output...,
               out slice of each wanted per-row input...) -> (grad of each wanted fixed-shape input...)
               writing each per-row input's gradient into its out slice.
+    fused(active, wanted): both at once, without the saved values in between.
     """
 
     def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs):
@@ -90,7 +93,11 @@ class JointSplit:
                        for spec in self.args]
             outs = program(*primals)
             cotangents = [torch.empty_like(outs[j]) for j in active]
-            traced = _torch_api.trace_decomposed(joint, primals + cotangents)
+            # Functional (the decompositions' in-place ops removed), so that rewriting the row
+            # sums and merging common subexpressions may read any node's value anywhere.
+            traced = _torch_api.trace_decomposed(torch.func.functionalize(joint), primals + cotangents)
+            if row_sums.factor_row_sums(traced):
+                traced = _torch_api.trace_decomposed(traced, primals + cotangents)  # example values
         _torch_api.check_no_guards_on(fake_mode, rows)
         return traced
 
@@ -149,12 +156,23 @@ class JointSplit:
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
         """The backward graph for these active outputs and wanted inputs (see the class doc)."""
+        return self._gradient_graph(active, wanted, with_forward=False)
+
+    def fused(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
+        """Forward and backward as one graph, for a gradient known in forward:
+        (args..., grad of each active output..., out slice of each wanted per-row input...)
+        -> (outputs..., grad of each wanted fixed-shape input...). One kernel reads each wide row
+        once for both, where the split kernels read it twice."""
+        return self._gradient_graph(active, wanted, with_forward=True)
+
+    def _gradient_graph(self, active, wanted, with_forward: bool) -> torch.fx.GraphModule:
         joint = self._trace(active, wanted)
-        ids = self._ids.of_graph(joint.graph)
         graph = torch.fx.Graph()
         primals, cotangents = self._placeholders(joint)
         env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(primals)}
-        saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
+        if not with_forward:
+            ids = self._ids.of_graph(joint.graph)
+            saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
         env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, cotangents)})
         in_place = [i for i in wanted if self.args[i].per_row]
         out_slices = {i: _placeholder(graph, f"grad_in{i}", primals[i]) for i in in_place}
@@ -162,15 +180,17 @@ class JointSplit:
         for node in joint.graph.nodes:
             if node.op != "call_function":
                 continue
-            position = self._saved_ids.get(ids[node])
+            position = None if with_forward else self._saved_ids.get(ids[node])
             if position is not None and node not in backward_nodes:
                 env[node] = saved[position]  # the forward's value: skip recomputing it
             else:
                 env[node] = graph.node_copy(node, lambda a: env[a])
-        grads = dict(zip(wanted, _output_nodes(joint)[self.n_outputs:]))
+        results = _output_nodes(joint)
+        grads = dict(zip(wanted, results[self.n_outputs:]))
         for i in in_place:
             graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
-        graph.output(tuple(env[grads[i]] for i in wanted if i not in out_slices))
+        outputs = [env[n] for n in results[:self.n_outputs]] if with_forward else []
+        graph.output(tuple(outputs + [env[grads[i]] for i in wanted if i not in out_slices]))
         graph.eliminate_dead_code()
         peephole.optimize(graph)
         return torch.fx.GraphModule(torch.nn.Module(), graph)

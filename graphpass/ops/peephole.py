@@ -9,6 +9,10 @@
 - gather's backward as a select: `scatter_add(zeros[rows, V], -1, idx[rows, 1], g[rows, 1])`
   becomes `where(arange(V) == idx, g, 0)`, a pointwise op that fuses with the rest of the
   gradient instead of a zero-filled buffer and a scatter.
+
+- a row sum of that select (log_softmax's backward sums its incoming gradient) is the select's
+  value at the one column it picks: `sum(where(arange(V) == idx, g, 0), -1)` becomes
+  `where((0 <= idx) & (idx < V), g, 0)`, instead of a loop over the vocabulary per row.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def optimize(graph: torch.fx.Graph) -> None:
             _push_gather(graph, node)
         elif node.target is aten.scatter_add.default:
             _scatter_as_select(graph, node)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.sum.dim_IntList:
+            _sum_of_select(graph, node)
     graph.eliminate_dead_code()
 
 
@@ -95,7 +102,48 @@ def _scatter_as_select(graph, scatter) -> None:
         columns = graph.call_function(aten.arange.default, (size[-1],),
                                       {"dtype": index_val.dtype, "device": index_val.device})
         hit = graph.call_function(aten.eq.Tensor, (columns, index))
-        scatter.replace_all_uses_with(graph.call_function(aten.where.ScalarOther, (hit, src, 0)))
+        select = graph.call_function(aten.where.ScalarOther, (hit, src, 0))
+        select.meta["val"] = scatter.meta["val"]  # the same shape and dtype
+        scatter.replace_all_uses_with(select)
+
+
+# ---- a row sum of a select -------------------------------------------------------------------------
+def _sum_of_select(graph, row_sum) -> None:
+    select, dims = row_sum.args[0], row_sum.args[1]
+    keepdim = row_sum.args[2] if len(row_sum.args) > 2 else row_sum.kwargs.get("keepdim", False)
+    if (row_sum.kwargs.get("dtype") is not None or not isinstance(select, torch.fx.Node)
+            or select.op != "call_function" or list(dims) not in ([-1], [1])):
+        return
+    if select.target not in (aten.where.ScalarOther, aten.where.Scalar) or select.args[2] != 0:
+        return
+    hit, value = select.args[0], select.args[1]  # `where(hit, value, 0)`, value a row's constant
+    picked = _picked_column(hit)
+    value_val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    if picked is None or (value_val is not None and not (value_val.ndim == 0 or value_val.shape[-1] == 1)):
+        return
+    index, vocab = picked
+    with graph.inserting_before(row_sum):
+        valid = graph.call_function(aten.logical_and.default, (graph.call_function(aten.ge.Scalar, (index, 0)),
+                                                              graph.call_function(aten.lt.Scalar, (index, vocab))))
+        picked_value = graph.call_function(select.target, (valid, value, select.args[2]))  # [rows, 1]
+        if not keepdim:
+            picked_value = graph.call_function(aten.squeeze.dim, (picked_value, -1))
+    row_sum.replace_all_uses_with(picked_value)
+    graph.erase_node(row_sum)
+
+
+def _picked_column(hit):
+    """(idx, V) when `hit` is `arange(V) == idx` with idx a `[rows, 1]` integer tensor, else None."""
+    if not (isinstance(hit, torch.fx.Node) and hit.op == "call_function" and hit.target is aten.eq.Tensor):
+        return None
+    columns, index = hit.args
+    if not (isinstance(columns, torch.fx.Node) and columns.target is aten.arange.default
+            and len(columns.args) == 1 and isinstance(columns.args[0], int)):
+        return None
+    val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+    if val is None or val.ndim != 2 or val.shape[-1] != 1 or val.is_floating_point():
+        return None
+    return index, columns.args[0]
 
 
 def _is_zeros(node) -> bool:

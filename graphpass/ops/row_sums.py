@@ -1,0 +1,244 @@
+"""Row sums with their row-constant factors taken out, so that a kernel makes fewer passes per row.
+
+A per-chunk kernel reads each wide row once per dependent reduction: the entropy of a
+log-softmax, `-sum(exp(lsm) * lsm)` with `lsm = x - m - log(s)` and `s = sum(exp(x - m))`,
+needs `s` before it can start, so it is a third pass over the row after the max's and the sum's.
+Expanded into terms, each a row-constant coefficient times a product of wide factors,
+
+    sum(exp(a - L) * (a - L))  =  exp(-L) * sum(exp(a) * a)  -  exp(-L) * L * sum(exp(a)),
+
+its sums depend on `a = x - m` only: they run in the same pass as `s` (`sum(exp(a))` *is* `s`),
+and a backward whose row sums expand to the same sums reads them from the forward (the joint's
+common subexpressions are merged, and the split saves them as narrow row statistics), so it is
+one pass too: read the logits, write the gradient.
+
+Only constants that depend on another row sum are taken out (`L = log(s)` above, a gradient
+arriving per row); the max shift stays inside `exp`, where it keeps the sum finite. Exact in real
+arithmetic; in floating point, the sums differ from the user's by rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx
+
+from graphpass.analysis.catalogue import is_deterministic_pointwise
+
+aten = torch.ops.aten
+
+_MAX_TERMS = 16
+_ROW_SUM = aten.sum.dim_IntList
+
+
+def factor_row_sums(gm: torch.fx.GraphModule) -> bool:
+    """Rewrite each last-dim sum of `gm` whose summand has a factorable row constant; merge the
+    common subexpressions this makes. True if the graph changed (its new nodes lack example values)."""
+    graph = gm.graph
+    if any(_mutates(node) for node in graph.nodes):
+        return False  # its values are not functions of its nodes (see `merge_common_subexpressions`)
+    after_sum = _DependsOnRowSum()
+    changed = False
+    for node in list(graph.nodes):
+        if not _is_row_sum(node):
+            continue
+        summand = node.args[0]
+        width = summand.meta["val"].shape[-1]
+        terms = _Expansion(width, after_sum).terms(summand)
+        if terms is None or not any(after_sum(c) for _, coefs, _ in terms for c in coefs):
+            continue
+        with graph.inserting_before(node):
+            total = _emit(graph, terms, width)
+            if not _keepdim(node):
+                total = graph.call_function(aten.squeeze.dim, (total, -1))
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        merge_common_subexpressions(graph)
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
+def merge_common_subexpressions(graph: torch.fx.Graph) -> None:
+    """One node for each pure op applied to the same arguments (the first, in graph order). The
+    graph must be functional: a value an in-place op changed would be merged with its old self."""
+    if any(_mutates(node) for node in graph.nodes):
+        raise ValueError("graphpass: merging common subexpressions of a graph with in-place ops")
+    seen = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.is_impure() or not _is_pure(node.target):
+            continue
+        key = (node.target, _key(node.args), _key(node.kwargs))
+        try:
+            earlier = seen.setdefault(key, node)
+        except TypeError:  # an unhashable constant argument
+            continue
+        if earlier is not node:
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+
+
+def _mutates(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _is_pure(target) -> bool:
+    return is_deterministic_pointwise(target) or target in (
+        _ROW_SUM, aten.amax.default, aten.gather.default, aten.expand.default, aten.arange.default,
+        aten.sym_size.int, aten._to_copy.default, aten.squeeze.dim, aten.unsqueeze.default, aten.view.default)
+
+
+def _key(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _key(v)) for k, v in value.items()))
+    return value
+
+
+def _is_row_sum(node) -> bool:
+    if node.op != "call_function" or node.target is not _ROW_SUM or node.kwargs.get("dtype") is not None:
+        return False
+    summand, dims = node.args[0], node.args[1]
+    val = summand.meta.get("val") if isinstance(summand, torch.fx.Node) else None
+    return (isinstance(val, torch.Tensor) and val.ndim == 2 and isinstance(val.shape[-1], int)
+            and val.is_floating_point() and list(dims) in ([-1], [1]))
+
+
+def _keepdim(node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+class _DependsOnRowSum:
+    """Whether a node's value depends on some last-dim row sum (memoised)."""
+
+    def __init__(self):
+        self._memo = {}
+
+    def __call__(self, node) -> bool:
+        if not isinstance(node, torch.fx.Node):
+            return False
+        if node not in self._memo:
+            self._memo[node] = False  # no cycles in a graph; guards a revisit while computing
+            self._memo[node] = _is_row_sum(node) or any(self(a) for a in node.all_input_nodes)
+        return self._memo[node]
+
+
+class _Expansion:
+    """A summand as terms `(scale, coefficients, wide factors)`: their product, summed."""
+
+    def __init__(self, width, after_sum):
+        self.width = width
+        self.after_sum = after_sum
+
+    def terms(self, node):
+        try:
+            terms = self._expand(node)
+        except _TooMany:
+            return None
+        return terms if len(terms) > 1 or terms[0][1] else None
+
+    def _kind(self, x) -> str:
+        """"const" (a number or 0-d), "row" ([rows, 1]) or "wide" ([rows, width])."""
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+        if not isinstance(val, torch.Tensor) or val.ndim == 0:
+            return "const"
+        if val.ndim == 2 and val.shape[-1] == 1:
+            return "row"
+        if val.ndim == 2 and val.shape[-1] == self.width:
+            return "wide"
+        return "other"
+
+    def _expand(self, x):
+        kind = self._kind(x)
+        if kind in ("const", "row"):
+            return [(1.0, (x,), ())]
+        if kind != "wide" or x.op != "call_function":
+            return [(1.0, (), (x,))]
+        target, args = x.target, x.args
+        if target is aten.expand.default and self._kind(args[0]) in ("const", "row"):
+            return [(1.0, (args[0],), ())]
+        if target in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 and not x.kwargs:
+            if any(self._kind(a) != "wide" and not self.after_sum(a) for a in args):
+                return [(1.0, (), (x,))]  # e.g. the max shift: taken out, it would cancel in the sum
+            sign = 1.0 if target is aten.add.Tensor else -1.0
+            return self._limit(self._expand(args[0]) + [(sign * s, c, w) for s, c, w in self._expand(args[1])])
+        if target is aten.neg.default:
+            return [(-s, c, w) for s, c, w in self._expand(args[0])]
+        if target is aten.mul.Tensor and len(args) == 2:
+            return self._limit([(s1 * s2, c1 + c2, w1 + w2) for (s1, c1, w1), (s2, c2, w2)
+                                in itertools.product(self._expand(args[0]), self._expand(args[1]))])
+        if target is aten.where.ScalarOther and args[2] == 0 and self._kind(args[1]) in ("const", "row"):
+            return [(1.0, (args[1],), (("indicator", args[0]),))]  # where(c, g, 0) = g * where(c, 1, 0)
+        if target is aten.exp.default:
+            inner = args[0]
+            if (isinstance(inner, torch.fx.Node) and inner.target is aten.sub.Tensor and len(inner.args) == 2
+                    and self._kind(inner.args[1]) == "row" and self.after_sum(inner.args[1])):
+                # exp(a - L) = exp(-L) * exp(a): the row constant L comes out of the sum.
+                return [(1.0, (("exp_neg", inner.args[1]),), (("exp", inner.args[0]),))]
+        return [(1.0, (), (x,))]
+
+    @staticmethod
+    def _limit(terms):
+        if len(terms) > _MAX_TERMS:
+            raise _TooMany
+        return terms
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _emit(graph, terms, width):
+    """`sum_t scale_t * prod(coefficients_t) * sum(prod(wide factors_t), -1, keepdim=True)`, with
+    equal wide products summed once."""
+    by_product: dict = {}
+    for scale, coefs, wide in terms:
+        by_product.setdefault(tuple(sorted(wide, key=_order)), []).append((scale, coefs))
+    total = None
+    for wide, parts in by_product.items():
+        if wide:
+            product = _product(graph, [_node(graph, w) for w in wide])
+            row_sum = graph.call_function(_ROW_SUM, (product, [-1], True))
+        else:
+            row_sum = float(width)  # a sum of row constants over the row
+        coefficient = None
+        for scale, coefs in parts:
+            c = _product(graph, [_node(graph, f) for f in coefs], scale)
+            coefficient = c if coefficient is None else graph.call_function(aten.add.Tensor, (coefficient, c))
+        value = graph.call_function(aten.mul.Tensor, (coefficient, row_sum))
+        total = value if total is None else graph.call_function(aten.add.Tensor, (total, value))
+    return total
+
+
+def _product(graph, factors, scale=1.0):
+    result = None
+    for f in factors:
+        result = f if result is None else graph.call_function(aten.mul.Tensor, (result, f))
+    if result is None:
+        return graph.call_function(aten.scalar_tensor.default, (scale,), {"dtype": torch.float32})
+    return result if scale == 1.0 else graph.call_function(aten.mul.Tensor, (result, scale))
+
+
+def _node(graph, factor):
+    """The node for a factor: an existing value, or one of the forms `_Expansion` introduces."""
+    if isinstance(factor, tuple):
+        form, arg = factor
+        if form == "exp":
+            return graph.call_function(aten.exp.default, (arg,))
+        if form == "exp_neg":
+            return graph.call_function(aten.exp.default, (graph.call_function(aten.neg.default, (arg,)),))
+        if form == "indicator":
+            return graph.call_function(aten.where.Scalar, (arg, 1.0, 0.0))
+    return factor
+
+
+def _order(factor):
+    """A stable order of wide factors, so that equal products are spelled alike."""
+    form, node = factor if isinstance(factor, tuple) else ("", factor)
+    return (node.name if isinstance(node, torch.fx.Node) else repr(node), form)
+
