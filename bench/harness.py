@@ -44,6 +44,8 @@ class Spec:
     reference_cache: str | None = None
     """A directory where the eager reference of this configuration is kept for the next method."""
     seed: int = 0
+    sol: bool = True
+    """Time the machine's speed of light (`bench.sol.Passes`) after each step, on the same logits."""
 
     @property
     def reference_key(self) -> str:
@@ -304,12 +306,20 @@ def measure(spec: Spec) -> dict:
     # A compiled method's first call compiles: it is the warm-up, timed apart. An eager method has
     # nothing to warm up, so its first call is already a measured step.
     first_call_s = _timed(step, spec.device) if method.compiled else None
-    times, peaks = [], []
+    passes = None
+    if spec.sol:
+        from bench.sol import Passes
+
+        passes = Passes(logits.detach(), spec.seed)
+        passes.step()  # compiles the backward pass
+    times, peaks, sol_times = [], [], []
     while len(times) < spec.min_steps or (
         len(times) < spec.steps and sum(times) + statistics.median(times) <= spec.time_budget_s
     ):
         # Drop the previous step's outputs before the baseline: the baseline is inputs only.
         logits.grad, loss = None, None
+        if passes is not None:  # before the baseline: its memory is not the method's
+            sol_times.append(sum(passes.step()))
         baseline = meter.reset()
         times.append(_timed(step, spec.device))
         peaks.append(meter.peak())
@@ -326,6 +336,10 @@ def measure(spec: Spec) -> dict:
         baseline_bytes=baseline,
         loss=float(loss),
     )
+    if sol_times:
+        # Paired: each step over the SoL step right before it, so a drifting machine cancels out.
+        result.update(sol_s=statistics.median(sol_times), sol_times=sol_times,
+                      x_sol=statistics.median(t / s for t, s in zip(times, sol_times)))
     result["notes"] = notes()
     result["warning"] = warning(result["notes"])
     if spec.reference:

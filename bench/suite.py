@@ -39,21 +39,21 @@ DEFAULT_OVERHEAD = int(0.5 * GiB)
 
 def plan(args) -> list[Spec]:
     """Specs in increasing size, so every prediction can lean on a smaller measured configuration."""
-    common = dict(device=args.device, steps=args.steps, time_budget_s=args.step_budget)
+    common = dict(device=args.device, steps=args.steps, time_budget_s=args.step_budget, sol=not args.no_sol)
     if args.quick:
         T, V = QUICK_SHAPE
-        return [Spec(MAIN_WORKLOAD, m, T, V, "fp32", steps=3, time_budget_s=5, device=args.device)
+        return [Spec(MAIN_WORKLOAD, m, T, V, "fp32", steps=3, time_budget_s=5, device=args.device, sol=not args.no_sol)
                 for m in args.methods]
-    specs = [Spec(MAIN_WORKLOAD, m, T, V, d, **common)
-             for T in args.T for V in args.V for d in args.dtypes for m in args.methods]
+    specs = [Spec(w, m, T, V, d, **common)
+             for w in args.workloads for T in args.T for V in args.V for d in args.dtypes for m in args.methods]
     T, V = VARIANT_SHAPE
     variants = ALL_VARIANTS if args.variants == "all" else () if args.variants == "none" else VARIANTS
     # The variants change the loss, not the data: one dtype (the grid covers both).
     specs += [Spec(w, m, T, V, args.dtypes[0], **common)
-              for w in variants if w != MAIN_WORKLOAD for m in args.methods]
+              for w in variants if w not in args.workloads for m in args.methods]
     # Big configurations: one step costs up to tens of seconds on a small CPU, so time fewer of them.
     return sorted((dataclasses.replace(s, min_steps=1) if s.T * s.V >= 2**27 else s for s in specs),
-                  key=lambda s: (s.workload != MAIN_WORKLOAD, s.T * s.V))
+                  key=lambda s: (s.workload not in args.workloads, s.T * s.V))
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,26 +143,6 @@ def _run(args, reference_dir: str) -> list[dict]:
     return done
 
 
-def add_sol(results: list[dict], device: str, steps: int = 5) -> None:
-    """Measure this machine's speed of light (`bench.sol`) for every configuration that ran, in
-    this run, and give each of its results `sol_s` and `x_sol` (step time over it)."""
-    from bench import sol
-
-    configs = sorted({(r["T"], r["V"], r["dtype"]) for r in results if r["status"] == "ok"})
-    limits = {}
-    for T, V, dtype in configs:
-        [row] = sol.run(T=(T,), V=(V,), dtypes=(dtype,), device=device, steps=steps)
-        if row.get("status") == "ok":
-            limits[T, V, dtype] = row["sol_s"]
-            print(f"SoL T={T} V={V} {dtype}: {row['sol_s'] * 1e3:.0f} ms", flush=True)
-        else:
-            print(f"SoL T={T} V={V} {dtype}: {row.get('status')}: {row.get('note', '')}", flush=True)
-    for r in results:
-        limit = limits.get((r["T"], r["V"], r["dtype"]))
-        if r["status"] == "ok" and limit:
-            r["sol_s"], r["x_sol"] = limit, r["time_s"] / limit
-
-
 def _inert(spec: Spec, done: list[dict]) -> str | None:
     """Why running `spec` would only repeat inductor, or None.
 
@@ -181,6 +161,13 @@ def _label(s: Spec) -> str:
     return f"{s.workload} T={s.T} V={s.V} {s.dtype} {s.method}"
 
 
+def _workload_key(key: str) -> str:
+    try:
+        return Workload.parse(key).key
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"one {QUICK_SHAPE} fp32 configuration per method (CI)")
@@ -189,6 +176,9 @@ def parse_args(argv=None):
     p.add_argument("--T", nargs="+", type=int, default=list(GRID_T))
     p.add_argument("--V", nargs="+", type=int, default=list(GRID_V))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--workloads", nargs="+", default=[MAIN_WORKLOAD], type=_workload_key,
+                   help=f"losses run over the whole grid (default {MAIN_WORKLOAD}: PPO, entropy logged; "
+                        "e.g. ppo-t0.7-e0.01 keeps the entropy's gradient)")
     p.add_argument("--variants", choices=("some", "all", "none"), default="some",
                    help=f"other workloads at T,V={VARIANT_SHAPE}: some={VARIANTS}, all=every combination")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -200,7 +190,8 @@ def parse_args(argv=None):
     p.add_argument("--cold-compile", action="store_true",
                    help="empty inductor cache per worker: first-call times are full compiles (slower run)")
     p.add_argument("--no-model", action="store_true", help="predict from measured ratios only")
-    p.add_argument("--no-sol", action="store_true", help="do not measure the speed of light (bench.sol) for x SoL")
+    p.add_argument("--no-sol", action="store_true",
+                   help="do not time the speed of light (bench.sol) after each step for x SoL")
     p.add_argument("--timeout", type=float, default=300, help="base seconds per worker before it is killed")
     args = p.parse_args(argv)
     fill_device_and_memory_limit(args)
@@ -213,8 +204,6 @@ def main(argv=None) -> int:
     print(f"machine: {machine}; memory limit {args.mem_limit_gib:.1f} GiB", flush=True)
     t0 = time.time()
     results = run(args)
-    if not args.no_sol:
-        add_sol(results, args.device, steps=args.steps)
     elapsed = time.time() - t0
     print()
     print(report.table(results))

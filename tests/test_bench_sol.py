@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bench import sol
@@ -27,14 +29,18 @@ def test_bench_sol_measures_a_tiny_configuration_in_a_worker():
     assert "SoL ms" in sol.table([row])
 
 
-def test_the_suite_reports_each_result_as_a_multiple_of_the_sol():
-    from bench import report, suite
+def test_each_step_is_paired_with_a_sol_step_in_the_same_worker():
+    import statistics
 
-    results = [dict(workload="ppo", method="graphpass", T=64, V=512, dtype="fp32", status="ok", time_s=0.5,
-                    peak_bytes=2 ** 17, floor_bytes=2 ** 17, first_call_s=1.0),
-               dict(workload="ppo", method="eager", T=64, V=1024, dtype="fp32", status="oom_predicted", note="predicted",
-                    floor_bytes=2 ** 18)]
-    suite.add_sol(results, "cpu", steps=2)
-    assert 0 < results[0]["sol_s"] and results[0]["x_sol"] == 0.5 / results[0]["sol_s"]
-    assert "x_sol" not in results[1]  # only configurations that ran are measured
-    assert "x SoL" in report.table(results)
+    from bench import report
+    from bench.harness import Spec, run_isolated
+
+    spec = Spec("ppo-t0.7-e0", "eager", 64, 512, "fp32", steps=3, time_budget_s=5, reference=False)
+    row = run_isolated(spec, timeout_s=300)
+    assert row["status"] == "ok", row
+    assert len(row["sol_times"]) == len(row["times"]) and all(t > 0 for t in row["sol_times"])
+    assert row["sol_s"] == statistics.median(row["sol_times"])
+    assert row["x_sol"] == statistics.median(t / s for t, s in zip(row["times"], row["sol_times"]))
+    assert "x SoL" in report.table([dict(row, **spec.__dict__, floor_bytes=spec.floor_bytes)])
+    row = run_isolated(dataclasses.replace(spec, sol=False), timeout_s=300)
+    assert row["status"] == "ok" and "x_sol" not in row
