@@ -89,10 +89,11 @@ def _fork_server():
     return _server
 
 
-def run_isolated(spec: Spec, timeout_s: float, cold_compile: bool = False, measure_fn=None) -> dict:
+def run_isolated(spec: Spec, timeout_s: float, cache_dir: str | None = None, measure_fn=None) -> dict:
     """Run `spec` in its own process; a timeout or crash becomes a result with that status.
 
-    `cold_compile` gives the worker an empty inductor cache, so its first call compiles from scratch.
+    `cache_dir`: the worker's inductor cache (an empty one: its first call compiles from scratch;
+    one an earlier worker filled: a warm cache).
     `measure_fn(spec) -> dict` (a module-level function) replaces `measure` for other specs
     (`bench.lm_head`).
     """
@@ -103,7 +104,7 @@ def run_isolated(spec: Spec, timeout_s: float, cold_compile: bool = False, measu
     context = _fork_server()
     receive, send = context.Pipe(duplex=False)
     with tempfile.NamedTemporaryFile(prefix="bench_worker_", suffix=".log") as log:
-        worker = context.Process(target=_forked_worker, args=(spec, cold_compile, log.name, send, measure_fn))
+        worker = context.Process(target=_forked_worker, args=(spec, cache_dir, log.name, send, measure_fn))
         worker.start()
         send.close()
         try:
@@ -130,16 +131,14 @@ def _kill_group(worker) -> None:
     worker.join()
 
 
-def _forked_worker(spec: Spec, cold_compile: bool, log_path: str, send, measure_fn=None) -> None:
+def _forked_worker(spec: Spec, cache_dir: str | None, log_path: str, send, measure_fn=None) -> None:
     """Worker body in a fresh fork: own session, output to `log_path`, result through `send`."""
-    import tempfile
-
     os.setsid()
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    if cold_compile:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_inductor_")
+    if cache_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     send.send(_measure_or_error(spec, measure_fn or measure))
 
 

@@ -30,7 +30,10 @@ def _time_vs_inductor(r: dict, results: list[dict]) -> str:
 
 
 def _first_call(r: dict) -> str:
-    """First-call seconds; "(cached)" when the compile caches answered and nothing compiled."""
+    """First-call seconds; "(cached)" when the compile caches answered and nothing compiled; after
+    `--cold-compile`, the cold first call and a new process's from the cache it filled."""
+    if r.get("warm_first_call_s") is not None:
+        return f"{r['first_call_s']:.1f} cold, {r['warm_first_call_s']:.1f} warm"
     notes = r.get("notes") or {}
     cached = notes.get("compile_cache_hits", 0) > 0 and notes.get("compile_cache_misses", 0) == 0
     return f"{r['first_call_s']:.1f}" + (" (cached)" if cached else "")
