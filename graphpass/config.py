@@ -29,7 +29,7 @@ class Config:
     """Print the memory-savings table for every compiled graph (also GRAPHPASS_REPORT=1)."""
 
     gradients_in_forward: bool = True
-    """Where an lm_head site's loss is a sum of per-token terms (`graphpass.analysis.summed_loss`),
+    """Where an lm_head site's loss is affine in sums of per-token terms (`graphpass.analysis.summed_loss`),
     compute its gradients in the forward pass, while each chunk's logits are at hand, instead of
     recomputing the logits in backward: three GEMMs instead of four. The gradients then exist from
     the forward on; False recomputes them in backward (a forward with grad that is never

@@ -9,6 +9,11 @@ every input's gradient for `g = 1` while the chunk's wide values are at hand, an
 `g` in backward (Liger-Kernel's trick, for any such loss). With an lm_head this saves the
 backward's recompute of the logits, one of four GEMMs.
 
+Several sums are one scalar's too when the loss is affine in them, with coefficients computed
+from values the region does not reach (`masked_mean(pg) - c * masked_mean(entropy)`: `1 / n`
+and `-c / n`): the op gets the coefficients (the gradient each sum would receive for a loss
+gradient of 1) and the loss's own gradient scales its gradients (`_affine_sink`).
+
 `match_summed_loss` says which nodes the op takes in, or why not. Read-only.
 """
 
