@@ -195,6 +195,29 @@ def test_per_sequence_sums_recompute():
     assert _recomputed(fn) is not None
 
 
+@pytest.mark.parametrize("seed", [None, 2.0])
+@pytest.mark.parametrize("spelling", ["scaled", "alpha", "cast", "constant", "coefficient_from_the_op"])
+def test_losses_affine_in_their_sums(spelling, seed):
+    """The coefficients of the sums in the loss, whatever the spelling, are what autograd sends
+    them; a coefficient computed from the op's own outputs keeps its sum as the carrier's place."""
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logp, entropy = _logprob_entropy(F.linear(hidden, weight), tokens)
+        n = mask.sum().clamp(min=1)
+        pg, ent = (logp * adv * mask).sum(), (entropy * mask).sum()
+        if spelling == "scaled":
+            return -0.5 * (pg / n) + 0.01 * ent / n
+        if spelling == "alpha":
+            return torch.sub(pg / n, ent, alpha=0.25) / 4
+        if spelling == "cast":
+            return (pg.double() / n - ent.double() / n).float()
+        if spelling == "constant":
+            return 3.0 - pg / n + 1.0
+        return pg / ent.detach()  # the sum's coefficient depends on the op: one sum, scaled in backward
+
+    site, _ = _check(fn, _batch(), seeds=(seed,))
+    assert site.gradients_in_forward
+
+
 def test_sums_added_into_one_loss():
     def fn(hidden, weight, tokens, old_logp, adv, mask):
         logp, _ = _logprob_entropy(F.linear(hidden, weight), tokens)
