@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import Spec, machine_description, provenance, run_isolated
+from bench.harness import Spec, _timed, machine_description, provenance, run_isolated
 
 GRID_T = (1024, 4096, 16384)
 GRID_V = (32768, 151936)
@@ -101,11 +101,11 @@ class Passes:
 
         t = self.TEMPERATURE
         with torch.no_grad():
-            forward_s = _timed(lambda: self.forward(self.logits, t), self.device)
+            forward_s = _timed(lambda: self.forward(self.logits, t), str(self.device))
             if len(self.blocks) > 1:
-                forward_s = min(forward_s, _timed(self._forward_blocks, self.device))
+                forward_s = min(forward_s, _timed(self._forward_blocks, str(self.device)))
             backward_s = _timed(lambda: self.backward(self.logits, self.lse, self.target, self.grad_logprob, t),
-                                self.device)
+                                str(self.device))
         return forward_s, backward_s
 
 
@@ -145,21 +145,6 @@ def measure(spec: Spec) -> dict:
     forward_s, backward_s = statistics.median(fwd), statistics.median(bwd)
     return dict(status="ok", forward_s=forward_s, backward_s=backward_s, sol_s=forward_s + backward_s,
                 steps=len(fwd), backward_max_abs_error=error, load=os.getloadavg()[0])
-
-
-def _timed(fn, device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def run(T=GRID_T, V=GRID_V, dtypes=DTYPES, device: str = "cpu", steps: int = 5, timeout_s: float = 600) -> list[dict]:

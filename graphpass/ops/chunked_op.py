@@ -75,8 +75,10 @@ class RegionProgram:
                                 differentiable_inputs=[i for i, spec in enumerate(self.inputs)
                                                        if spec.dtype.is_floating_point])
         self._forward_kernel = None
-        self._backward_kernels: dict[tuple, object] = {}
-        self._backward_graphs: dict[tuple, torch.fx.GraphModule] = {}  # traced ahead, compiled on first use
+        # Gradient kernels by (kind, active outputs, wanted inputs), kind "backward" or "fused"
+        # (`JointSplit.backward` / `.fused`); graphs traced ahead wait, uncompiled, in `_traced`.
+        self._gradient_kernels: dict[tuple, object] = {}
+        self._traced: dict[tuple, torch.fx.GraphModule] = {}
 
     def _content_key(self) -> str:
         # Content-addressed, so a compiled graph cached on disk by another process can only
@@ -253,7 +255,7 @@ class RegionProgram:
         if rows:
             row_seeds = [self._row_seed(self.outputs[j], seed, rows, device) for j, seed in zip(reduced, seeds)]
             # Without gradients to compute (no input needs one) the forward kernel alone.
-            kernel = self._get_fused_kernel(reduced, wanted) if wanted else self._get_forward_kernel()
+            kernel = self._get_gradient_kernel("fused", reduced, wanted) if wanted else self._get_forward_kernel()
             chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
             sinks, sums = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
             n = len(self.outputs)
@@ -310,7 +312,7 @@ class RegionProgram:
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
         chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
         sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
-        kernel = self._get_backward_kernel(active, wanted)
+        kernel = self._get_gradient_kernel("backward", active, wanted)
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
             chunk_sums = kernel(*self._kernel_args(tensors, args, sl, sinks), *[s[sl] for s in saved],
                                 *[g[sl] for g in flat_grad_outputs], *[sink.slot(sl) for sink in sinks])
@@ -354,27 +356,20 @@ class RegionProgram:
         """Where the backward kernel writes kernel input `i`'s per-row gradient."""
         return _GradBuffer(i, tensors[i], rows)
 
-    def _get_backward_kernel(self, active, wanted):
-        key = (active, wanted)
-        if key not in self._backward_kernels:
-            graph = self._backward_graphs.pop(key, None) or self.split.backward(active, wanted)
-            self._backward_kernels[key] = self._compile(graph)
-        return self._backward_kernels[key]
-
-    def _get_fused_kernel(self, active, wanted):
-        key = ("fused", active, wanted)
-        if key not in self._backward_kernels:
-            graph = self._backward_graphs.pop(key, None) or self.split.fused(active, wanted)
-            self._backward_kernels[key] = self._compile(graph)
-        return self._backward_kernels[key]
+    def _get_gradient_kernel(self, kind: str, active, wanted):
+        key = (kind, active, wanted)
+        if key not in self._gradient_kernels:
+            graph = self._traced.pop(key, None) or getattr(self.split, kind)(active, wanted)
+            self._gradient_kernels[key] = self._compile(graph)
+        return self._gradient_kernels[key]
 
     def prepare_gradients_in_forward(self, needs_grad) -> None:
         """Trace now (at compile time) the kernel `forward_with_gradients` runs: traced lazily, it
         would be traced inside the compiled forward, where autograd is dispatched below."""
         wanted = self._kernel_wanted(needs_grad)
         key = ("fused", self.total_positions, wanted)
-        if wanted and key not in self._backward_kernels and key not in self._backward_graphs:
-            self._backward_graphs[key] = self.split.fused(*key[1:])
+        if wanted and key not in self._gradient_kernels and key not in self._traced:
+            self._traced[key] = self.split.fused(*key[1:])
 
 
 class _GradBuffer:
