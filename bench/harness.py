@@ -46,11 +46,18 @@ class Spec:
     seed: int = 0
     sol: bool = True
     """Time the machine's speed of light (`bench.sol.Passes`) after each step, on the same logits."""
+    warmup: bool = False
+    """Time every method's first call apart, not only a compiled method's (a GPU's first eager
+    step also pays for cuBLAS's set-up and the caching allocator's first cudaMallocs)."""
+    compiler: str = "inductor"
+    """The `inductor` method's backend and graphpass's inner compiler (`aot_eager`: a quick smoke)."""
+    reference_dtype: str = "fp32"
+    """The dtype of the blockwise reference (`fp64`: against float64, as `bench.gpu` compares)."""
 
     @property
     def reference_key(self) -> str:
         """What the eager reference depends on (not the method)."""
-        return f"{self.workload}_T{self.T}_V{self.V}_{self.dtype}_{self.device}_seed{self.seed}"
+        return f"{self.workload}_T{self.T}_V{self.V}_{self.dtype}_{self.device}_seed{self.seed}_ref{self.reference_dtype}"
 
     @property
     def floor_bytes(self) -> int:
@@ -62,6 +69,13 @@ class Spec:
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a bench dtype name (fp32, bf16, fp16, fp64)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
 
 
 # Parent side -------------------------------------------------------------------------------------
@@ -84,6 +98,12 @@ def _fork_server():
         # threshold grows up to 32 MiB), where they would stay resident and inflate RSS at small
         # shapes; every buffer >= 1 MiB is then mapped on allocation and unmapped on free.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
+        # Workers are forked from the server, so the server must never initialise CUDA: none of
+        # PRELOAD's imports calls into torch.cuda (checked by importing them with torch.cuda
+        # pretending a GPU and every driver-touching function recording its calls: none was
+        # called), and should one ever ask `torch.cuda.is_available()`, this makes it ask NVML,
+        # which leaves the forked workers able to initialise CUDA themselves.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         _server = multiprocessing.get_context("forkserver")
         _server.set_forkserver_preload(list(PRELOAD))
     return _server
@@ -142,12 +162,19 @@ def _forked_worker(spec: Spec, cache_dir: str | None, log_path: str, send, measu
     send.send(_measure_or_error(spec, measure_fn or measure))
 
 
+def default_device() -> str:
+    """The benchmarks' device when none is given: cuda when present, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def fill_device_and_memory_limit(args) -> None:
-    """`args.device` (None: cuda when present) and `args.mem_limit_gib` (None: 80 % of RAM or GPU memory)."""
+    """`args.device` (None: `default_device()`) and `args.mem_limit_gib` (None: 80 % of RAM or GPU memory)."""
     import torch
 
     if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.device = default_device()
     if args.mem_limit_gib is None:
         total = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else total_ram_bytes()
         args.mem_limit_gib = 0.8 * total / GiB
@@ -287,11 +314,10 @@ def measure(spec: Spec) -> dict:
     method = METHODS[spec.method]
     if (why := method.available()) is not None:
         return dict(status="unavailable", note=why)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
-    batch = workloads.make_batch(spec.T, spec.V, dtype, spec.device, workload.temperature, spec.seed)
+    batch = workloads.make_batch(spec.T, spec.V, torch_dtype(spec.dtype), spec.device, workload.temperature, spec.seed)
     args = [batch[k] for k in workloads.BATCH_FIELDS]
     logits = batch["logits"]
-    fn, notes = method.build(workload)
+    fn, notes = method.build(workload, spec.compiler)
     meter = CudaMeter() if spec.device.startswith("cuda") else CpuMeter()
     loss = None
 
@@ -304,7 +330,7 @@ def measure(spec: Spec) -> dict:
 
     # A compiled method's first call compiles: it is the warm-up, timed apart. An eager method has
     # nothing to warm up, so its first call is already a measured step.
-    first_call_s = _timed(step, spec.device) if method.compiled else None
+    first_call_s = _timed(step, spec.device) if method.compiled or spec.warmup else None
     passes = None
     if spec.sol:
         from bench.sol import Passes
@@ -345,10 +371,11 @@ def measure(spec: Spec) -> dict:
         grad, loss_value = logits.grad.detach(), float(loss)
         loss = None
         cache = os.path.join(spec.reference_cache, spec.reference_key + ".pt") if spec.reference_cache else None
-        if spec.method == "eager" and spec.dtype == "fp32":  # it is the reference: no second computation
+        if spec.method == "eager" and spec.dtype == spec.reference_dtype == "fp32":  # it is the reference
             result.update(workloads.eager_fp32_as_reference(batch, loss_value, grad, cache))
         else:
-            result.update(workloads.reference_diffs(workload, batch, loss_value, grad, cache))
+            result.update(workloads.reference_diffs(workload, batch, loss_value, grad, cache,
+                                                    torch_dtype(spec.reference_dtype)))
     return result
 
 

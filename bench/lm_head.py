@@ -12,7 +12,10 @@ Methods: `eager`; `inductor` (`torch.compile`); `autochunk` (inductor's auto-chu
 this matmul-amplified case); `linear_ce` (`F.linear_cross_entropy` with its chunked options; `ce`
 only); `chunked` (a hand-written loop over token chunks, each chunk's head and loss under
 `torch.utils.checkpoint`: what a user writes by hand); `graphpass`
-(`torch.compile(backend=graphpass.Backend())`). Each (workload, T, H, V, dtype, method) runs in
+(`torch.compile(backend=graphpass.Backend())`); and, where the packages import (not in the
+default list: `bench.gpu` runs them), `liger` (Liger-Kernel's `LigerFusedLinearCrossEntropyLoss`
+for `ce`, its chunked `LigerFusedLinearGRPOLoss` for `ppo`) and `cce` (Apple's cut-cross-entropy
+`linear_cross_entropy`; `ce` only). Each (workload, T, H, V, dtype, method) runs in
 its own forked process (`bench.harness`): peak bytes above the pre-step baseline (`VmHWM` after
 `clear_refs` on CPU, glibc's mmap threshold pinned to 1 MiB; `max_memory_allocated` on CUDA),
 median step time, and the loss and both gradients against float64 on the same (rounded) inputs,
@@ -40,6 +43,9 @@ from bench.harness import (GiB, CpuMeter, CudaMeter, _timed, fill_device_and_mem
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = ("ppo", "ce")
 METHODS = ("eager", "inductor", "autochunk", "linear_ce", "chunked", "graphpass")
+LIBRARY_METHODS = ("liger", "cce")
+# Methods whose first call compiles (Dynamo, or the libraries' Triton kernels): it is the warm-up.
+FIRST_CALL_COMPILES = ("inductor", "autochunk", "graphpass", *LIBRARY_METHODS)
 GRID_T, GRID_H, GRID_V = (2048, 8192), (1024, 4096), (32768, 151936)
 DTYPES = ("fp32", "bf16")
 ACCEPTANCE = dict(workload="ppo", T=2048, H=1024, V=32768, dtype="fp32")
@@ -66,8 +72,11 @@ class HeadSpec:
     time_budget_s: float = 30.0
     seed: int = 0
     inner: str = "inductor"
+    """graphpass's inner compiler and the `inductor` method's backend (`aot_eager`: a quick smoke)."""
     chunk_size: int | None = None
     reference_cache: str | None = None
+    warmup: bool = False
+    """Time every method's first call apart, not only those that compile (`bench.gpu`)."""
 
     @property
     def floor_bytes(self) -> int:
@@ -135,6 +144,48 @@ def torch_functional():
     return F
 
 
+# Liger's GRPO loss takes per-sequence advantages `[B]`: the per-token ones of `ppo` make each
+# token a sequence of one (`[T, 1]`), and a chunk of that many sequences is about the tokens of the
+# one sequence per chunk TRL's trainer gives it.
+LIGER_SEQUENCES_PER_CHUNK = 1024
+
+
+def library_loss(method: str, loss_kind: str, tokens: int):
+    """Liger-Kernel's fused linear loss for `loss_kind` (`method` "liger") or Apple's
+    cut-cross-entropy (`"cce"`: its Triton kernel on a GPU, its torch.compile path elsewhere), in
+    this module's signature; ImportError where the package does not import."""
+    if method == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        def fn(hidden, weight, targets, mask, advantages, old_logp):
+            return linear_cross_entropy(hidden, weight, targets, impl="cce" if hidden.is_cuda else "torch_compile")
+
+        return fn
+    if loss_kind == "ce":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        ce = LigerFusedLinearCrossEntropyLoss()
+
+        def fn(hidden, weight, targets, mask, advantages, old_logp):
+            return ce(weight, hidden, targets)
+
+        return fn
+    from bench.workloads import CLIP
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    # beta 0 and no reference model: the clipped surrogate alone; "bnpo" is the masked token mean.
+    grpo = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo", epsilon_low=CLIP,
+                                    epsilon_high=CLIP, temperature=TEMPERATURE,
+                                    chunk_size=min(tokens, LIGER_SEQUENCES_PER_CHUNK))
+
+    def fn(hidden, weight, targets, mask, advantages, old_logp):
+        out = grpo(hidden[:, None], weight, targets[:, None], mask[:, None], advantages,
+                   old_per_token_logps=old_logp[:, None])
+        return out[0] if isinstance(out, tuple) else out  # (loss, metrics) in recent versions
+
+    return fn
+
+
 LOSSES = {"ppo": ppo_loss, "ce": ce_loss}
 
 
@@ -148,6 +199,13 @@ def build(spec: HeadSpec):
         return linear_ce_loss, dict
     if spec.method == "chunked":
         return chunked(spec.workload), dict
+    if spec.method in LIBRARY_METHODS:
+        if spec.method == "cce" and spec.workload != "ce":
+            return "cut-cross-entropy computes cross-entropy only"
+        try:
+            return library_loss(spec.method, spec.workload, spec.T), dict
+        except ImportError as exc:
+            return f"not importable here: {type(exc).__name__}: {exc}"
     fn = LOSSES[spec.workload]
     if spec.method == "eager":
         return fn, dict
@@ -156,7 +214,7 @@ def build(spec: HeadSpec):
             import torch._inductor.config as config
 
             config.auto_chunker.enable = True
-        compiled = torch.compile(fn, backend="inductor")
+        compiled = torch.compile(fn, backend=spec.inner if spec.method == "inductor" else "inductor")
 
         def notes():
             if spec.method != "autochunk":
@@ -186,21 +244,27 @@ def build(spec: HeadSpec):
 
 # ---- inputs and the float64 reference ---------------------------------------------------------
 def make_inputs(spec: HeadSpec) -> dict:
-    """Hidden states and an output layer scaled like a trained model's (logits of unit scale)."""
+    """Hidden states and an output layer scaled like a trained model's (logits of unit scale),
+    drawn on the spec's device by its own generator (fast on a GPU; other values than the CPU's)."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
-    gen = torch.Generator().manual_seed(spec.seed)
-    hidden = torch.empty(spec.T, spec.H, dtype=dtype)
+    from bench.harness import torch_dtype
+
+    dtype, device = torch_dtype(spec.dtype), spec.device
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    hidden = torch.empty(spec.T, spec.H, dtype=dtype, device=device)
     hidden.normal_(generator=gen)
-    weight = torch.empty(spec.V, spec.H, dtype=dtype)
+    weight = torch.empty(spec.V, spec.H, dtype=dtype, device=device)
     weight.normal_(std=spec.H ** -0.5, generator=gen)
-    targets = torch.randint(0, spec.V, (spec.T,), generator=gen)
+    targets = torch.randint(0, spec.V, (spec.T,), generator=gen, device=device)
+
+    def draw(fn):
+        return fn(spec.T, generator=gen, device=device)
+
     batch = dict(hidden=hidden, weight=weight, targets=targets,
-                 mask=(torch.rand(spec.T, generator=gen) < 0.9).float(),
-                 advantages=torch.randn(spec.T, generator=gen),
-                 old_logp=-torch.rand(spec.T, generator=gen) * 2 - (torch.tensor(float(spec.V)).log() - 1))
-    batch = {k: v.to(spec.device) for k, v in batch.items()}
+                 mask=(draw(torch.rand) < 0.9).float(),
+                 advantages=draw(torch.randn),
+                 old_logp=-draw(torch.rand) * 2 - (torch.tensor(float(spec.V)).log() - 1))
     batch["hidden"].requires_grad_()
     batch["weight"].requires_grad_()
     return batch
@@ -209,11 +273,15 @@ def make_inputs(spec: HeadSpec) -> dict:
 FIELDS = ("hidden", "weight", "targets", "mask", "advantages", "old_logp")
 
 
-def reference(spec: HeadSpec, batch: dict, budget_bytes: int = GiB // 2) -> dict:
+def reference(spec: HeadSpec, batch: dict, budget_bytes: int | None = None) -> dict:
     """float64 loss and gradients of the same (rounded) inputs, in row blocks: both losses are
-    sums of per-token terms over a whole-batch denominator, so blocks add up exactly."""
+    sums of per-token terms over a whole-batch denominator, so blocks add up exactly. Blocks of
+    `budget_bytes` (None: 512 MiB on a CPU; 8 GiB on a GPU, where a few large float64 GEMMs run
+    far faster than hundreds of skinny ones)."""
     import torch
 
+    if budget_bytes is None:
+        budget_bytes = GiB // 2 if spec.device == "cpu" else 8 * GiB
     fn = _float64_loss(spec.workload)
     weight = batch["weight"].detach().double().requires_grad_()
     rows = max(1, min(spec.T, budget_bytes // (spec.V * 8 * 6)))
@@ -233,18 +301,13 @@ def reference(spec: HeadSpec, batch: dict, budget_bytes: int = GiB // 2) -> dict
 
 def _float64_loss(workload: str):
     """The workload's math without its `.float()` casts, so float64 stays float64."""
-    import torch
-
     from bench import workloads
 
     F = torch_functional()
 
     def ppo(hidden, weight, targets, mask, advantages, old_logp):
-        logp_all = torch.log_softmax(F.linear(hidden, weight) / TEMPERATURE, -1)
-        logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        pg = workloads.clipped_surrogate(logp, old_logp, advantages)
-        return workloads.masked_mean(pg, mask) - ENT_COEF * workloads.masked_mean(entropy, mask)
+        return workloads.ppo_loss(F.linear(hidden, weight), targets, mask, advantages, old_logp, None, TEMPERATURE,
+                                  ENT_COEF, workloads.logprob_entropy_exact)
 
     def ce(hidden, weight, targets, mask, advantages, old_logp):
         return F.cross_entropy(F.linear(hidden, weight), targets)
@@ -279,7 +342,7 @@ def measure(spec: HeadSpec) -> dict:
         loss.backward()
         meter.sync()
 
-    compiled = spec.method in ("inductor", "autochunk", "graphpass")
+    compiled = spec.warmup or spec.method in FIRST_CALL_COMPILES
     first_call_s = _timed(step, spec.device) if compiled else None
     times, peaks = [], []
     while len(times) < spec.min_steps or (
@@ -493,7 +556,7 @@ def plot(results: list[dict], path: Path) -> str:
             configs.append(c)
     if not configs:
         return "no results: plot skipped"
-    methods = [m for m in METHODS if any(r["method"] == m for r in ok)]
+    methods = [m for m in METHODS + LIBRARY_METHODS if any(r["method"] == m for r in ok)]
     fig, axes = plt.subplots(2, 1, figsize=(max(6, 1.6 * len(configs) * len(methods) / 3), 8))
     width = 0.8 / len(methods)
     for j, m in enumerate(methods):
@@ -539,7 +602,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for NAME.json and NAME.png")
     p.add_argument("--name", default=None, help="file name of the JSON and plot (default lm_head, lm_head_quick)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + LIBRARY_METHODS)
     p.add_argument("--T", nargs="+", type=int, default=list(GRID_T))
     p.add_argument("--H", nargs="+", type=int, default=list(GRID_H))
     p.add_argument("--V", nargs="+", type=int, default=list(GRID_V))

@@ -22,8 +22,12 @@ class Method:
     backend: str | None = None
     inductor_config: tuple[tuple[str, object], ...] = ()
 
-    def build(self, workload: workloads.Workload) -> tuple[Callable, Callable[[], dict]]:
-        """The step function and a callback returning notes about what the method did."""
+    def build(self, workload: workloads.Workload, compiler: str = "inductor") -> tuple[Callable, Callable[[], dict]]:
+        """The step function and a callback returning notes about what the method did.
+
+        `compiler` replaces inductor as the `inductor` method's backend and graphpass's inner
+        compiler (`aot_eager` for a quick smoke run); the auto-chunker is inductor's own.
+        """
         lp_ent = workloads.chunked_logprob_entropy if self.chunked_loop else workloads.logprob_entropy
         fn = workload.loss_fn(lp_ent)
         if not self.compiled:
@@ -33,7 +37,10 @@ class Method:
 
             for key, value in self.inductor_config:
                 setattr(config, key, value)
-        backend = _graphpass_backend() if self.backend == "graphpass" else self.backend
+        if self.backend == "graphpass":
+            backend = _graphpass_backend(compiler)
+        else:
+            backend = compiler if self.name == "inductor" else self.backend
         return torch.compile(fn, backend=backend), lambda: _compile_notes(backend)
 
     def available(self) -> str | None:
@@ -44,10 +51,10 @@ class Method:
         return None
 
 
-def _graphpass_backend():
+def _graphpass_backend(inner: str = "inductor"):
     import graphpass
 
-    return graphpass.Backend()
+    return graphpass.Backend(inner=inner)
 
 
 def _compile_notes(backend) -> dict:

@@ -57,6 +57,14 @@ def logprob_entropy(logits, targets, temperature):
     return logp, entropy
 
 
+def logprob_entropy_exact(logits, targets, temperature):
+    """The same math in the logits' own dtype (no fp32 cast): the float64 references."""
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
 def chunked_logprob_entropy(logits, targets, temperature, chunk=SLIME_CHUNK):
     """The hand-chunked loop RL frameworks ship (slime's calculate_log_probs_and_entropy): no recompute."""
     logps, entropies = [], []
@@ -106,30 +114,35 @@ def make_batch(T: int, V: int, dtype: torch.dtype, device: str, temperature: flo
 
     Logits are N(0, 1), so each row's logsumexp of logits/temp is log V + 1/(2 temp^2) to within
     ~1e-2 at V >= 32k: the policy's log-prob comes from a gather, with no extra [T, V] pass.
+    Drawn on `device` by its own generator (on a GPU, billions of logits in milliseconds, where
+    the CPU took tens of seconds; the values differ from the CPU's draw).
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    logits = torch.empty(T, V, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.empty(T, V, dtype=dtype, device=device)
     logits.normal_(generator=gen)  # in place in the target dtype: no transient fp32 copy of bf16 logits
-    targets = torch.randint(0, V, (T,), generator=gen)
+    targets = torch.randint(0, V, (T,), generator=gen, device=device)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1).float() / temperature - (
         math.log(V) + 0.5 / temperature**2
     )
+
+    def draw(fn):
+        return fn(T, generator=gen, device=device)
+
     batch = dict(
         logits=logits,
         targets=targets,
-        mask=(torch.rand(T, generator=gen) < 0.9).float(),
-        advantages=torch.randn(T, generator=gen),
-        old_logp=logp + 0.3 * torch.randn(T, generator=gen),
-        ref_logp=logp + 0.3 * torch.randn(T, generator=gen),
+        mask=(draw(torch.rand) < 0.9).float(),
+        advantages=draw(torch.randn),
+        old_logp=logp + 0.3 * draw(torch.randn),
+        ref_logp=logp + 0.3 * draw(torch.randn),
     )
-    batch = {k: v.to(device) for k, v in batch.items()}
     batch["logits"].requires_grad_()
     return batch
 
 
 def reference_diffs(workload: Workload, batch: dict, loss: float, grad: torch.Tensor,
-                    cache: str | None = None) -> dict:
-    """Max abs difference of loss and logits.grad against eager fp32 (see `reference`).
+                    cache: str | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """Max abs difference of loss and logits.grad against eager `dtype` (see `reference`).
 
     With `cache` (a file path), the reference is loaded from there when present and saved there
     otherwise: every method of one configuration compares against one computation of it.
@@ -137,7 +150,7 @@ def reference_diffs(workload: Workload, batch: dict, loss: float, grad: torch.Te
     if cache and os.path.exists(cache):
         ref = torch.load(cache)
     else:
-        ref = reference(workload, batch)
+        ref = reference(workload, batch, dtype=dtype)
         if cache:
             torch.save(ref, cache)
     return _diffs(ref, loss, grad)
@@ -160,8 +173,9 @@ def _diffs(ref: dict, loss: float, grad: torch.Tensor) -> dict:
                 grad_rows_checked=sum(g.shape[0] for g in ref["grads"].values()))
 
 
-def reference(workload: Workload, batch: dict, budget_bytes: int = 2**30, grad_blocks: int = 2) -> dict:
-    """The eager fp32 loss and some rows of logits.grad, computed in row blocks: {loss, grads}.
+def reference(workload: Workload, batch: dict, budget_bytes: int = 2**30, grad_blocks: int = 2,
+              dtype: torch.dtype = torch.float32) -> dict:
+    """The eager fp32 (or `dtype`: float64) loss and some rows of logits.grad, in row blocks: {loss, grads}.
 
     Every workload is a masked token mean of row-local terms, so block b contributes
     loss_b * n_b / n and the same scale on its gradient: exact up to fp32 summation order, with
@@ -171,16 +185,18 @@ def reference(workload: Workload, batch: dict, budget_bytes: int = 2**30, grad_b
     to bound the time spent (gradient rows are independent, so a sample checks the same code path).
     """
     T, V = batch["logits"].shape
-    rows = _block_rows(T, V, budget_bytes)
-    grad_starts = {start for start, _ in _grad_blocks(T, V, budget_bytes, grad_blocks)}
-    fn = workload.loss_fn(logprob_entropy)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = _block_rows(T, V, budget_bytes, itemsize)
+    grad_starts = {start for start, _ in _grad_blocks(T, V, budget_bytes, grad_blocks, itemsize)}
+    # `logprob_entropy` casts to fp32: a float64 reference needs the same math without the cast.
+    fn = workload.loss_fn(logprob_entropy if dtype == torch.float32 else logprob_entropy_exact)
     n = batch["mask"].sum().clamp(min=1).double()
     ref_loss, grads = 0.0, {}
     for start in range(0, T, rows):
         sl = slice(start, start + rows)
         with_grad = start in grad_starts
-        x = batch["logits"][sl].detach().float().requires_grad_(with_grad)
-        part = [batch[k][sl] for k in BATCH_FIELDS[1:]]
+        x = batch["logits"][sl].detach().to(dtype).requires_grad_(with_grad)
+        part = [batch[k][sl].to(dtype) if batch[k].is_floating_point() else batch[k][sl] for k in BATCH_FIELDS[1:]]
         scale = float(batch["mask"][sl].sum().double() / n)
         with torch.set_grad_enabled(with_grad):
             block_loss = fn(x, *part) * scale
@@ -191,13 +207,14 @@ def reference(workload: Workload, batch: dict, budget_bytes: int = 2**30, grad_b
     return dict(loss=ref_loss, grads=grads)
 
 
-def _block_rows(T: int, V: int, budget_bytes: int = 2**30) -> int:
-    return max(1, min(T, budget_bytes // (V * 4 * 6)))  # ~6 fp32 [rows, V] buffers in eager backward
+def _block_rows(T: int, V: int, budget_bytes: int = 2**30, itemsize: int = 4) -> int:
+    return max(1, min(T, budget_bytes // (V * itemsize * 6)))  # ~6 [rows, V] buffers in eager backward
 
 
-def _grad_blocks(T: int, V: int, budget_bytes: int = 2**30, grad_blocks: int = 2) -> list[tuple[int, int]]:
+def _grad_blocks(T: int, V: int, budget_bytes: int = 2**30, grad_blocks: int = 2,
+                 itemsize: int = 4) -> list[tuple[int, int]]:
     """(first row, rows) of the blocks whose gradient the reference keeps: all, or the first and last."""
-    rows = _block_rows(T, V, budget_bytes)
+    rows = _block_rows(T, V, budget_bytes, itemsize)
     starts = list(range(0, T, rows))
     if len(starts) > grad_blocks:
         starts = sorted(set(starts[: grad_blocks // 2] + starts[-(grad_blocks // 2):]))
