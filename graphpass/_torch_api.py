@@ -85,7 +85,10 @@ def compile_kernel(fn, inner: str):
     of rank 2), so a short last chunk reuses it while the vocabulary stays static for codegen."""
     if inner == "eager":
         return fn
-    compiled = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True)
+    # The kernel runs inside an op that CUDA graphs do not capture (`devices.NOT_CUDAGRAPH_CAPTURABLE`):
+    # a global `triton.cudagraphs=True` must not make each chunk's call a graph of its own.
+    options = {"triton.cudagraphs": False} if inner == "inductor" else None
+    compiled = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True, options=options)
 
     def run(*args):
         # Kernels run below autograd, as a custom op's body does. Detached arguments and a fixed
@@ -99,6 +102,11 @@ def compile_kernel(fn, inner: str):
             return compiled(*args)
 
     return run
+
+
+def assert_async(ok: torch.Tensor, message: str) -> None:
+    """A device-side assert that `ok` is true: no host synchronisation (`graphpass.ops.devices`)."""
+    torch.ops.aten._assert_async.msg(ok, message)
 
 
 # ---- memory model (graphpass/memory.py, report, CLI) -------------------------------------------

@@ -333,13 +333,16 @@ def _decompose_functional_copy(graph: torch.fx.Graph) -> None:
     """
     for node in list(graph.find_nodes(op="call_function", target=aten.copy.default)):
         dst, src = node.args[:2]  # a non_blocking flag changes no value
-        dst_val = dst.meta["val"]
+        dst_val, src_val = dst.meta["val"], src.meta["val"]
+        # A device only where the copy changes it: a region program runs on whatever device its
+        # inputs are on, and a device named in it would be baked into its kernels.
+        to = {"dtype": dst_val.dtype}
+        if src_val.device != dst_val.device:
+            to["device"] = dst_val.device
         with graph.inserting_before(node):
-            cast = graph.call_function(aten._to_copy.default, (src,),
-                                       {"dtype": dst_val.dtype, "device": dst_val.device})
+            cast = graph.call_function(aten._to_copy.default, (src,), to)
             expanded = graph.call_function(aten.expand_as.default, (cast, dst))
             new = graph.call_function(aten.clone.default, (expanded,))
-        src_val = src.meta["val"]
         with _torch_api.detect_fake_mode([dst_val]):
             cast.meta["val"] = src_val.to(dtype=dst_val.dtype, device=dst_val.device)
             expanded.meta["val"] = cast.meta["val"].expand_as(dst_val)

@@ -276,8 +276,9 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
             outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, False))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
+    wide = next(node for node, spec in zip(input_nodes, specs) if spec.role == WIDE)
     options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
-                   index_checks=_index_checks(region, input_nodes))
+                   device=wide.meta["val"].device, index_checks=_index_checks(region, input_nodes))
     if head is not None:
         position = input_nodes.index(head.logits)
         input_nodes[position] = head.hidden

@@ -42,7 +42,7 @@ def _split(module, args, keeps=None):
     outs = module(*args)
     keeps = range(len(outs)) if keeps is None else keeps
     return JointSplit(torch.fx.symbolic_trace(module), specs, list(keeps),
-                      [i for i, a in enumerate(args) if a.dtype.is_floating_point])
+                      [i for i, a in enumerate(args) if a.dtype.is_floating_point], device=args[0].device)
 
 
 def _targets(gm):

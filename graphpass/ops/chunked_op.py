@@ -20,6 +20,7 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.analysis.layouts import Role
+from graphpass.ops import devices
 from graphpass.ops.joint import ArgSpec, JointSplit
 
 # How an input lies over the region's rows (`graphpass.analysis.layouts`): WIDE inputs are read through
@@ -60,9 +61,10 @@ class OutputSpec:
 class RegionProgram:
     """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
 
-    def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner,
+    def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner, device,
                  index_checks=()):
         self.graph_module = graph_module
+        self.device = torch.device(device)  # the kernels are traced and compiled for this device
         self.inputs: list[InputSpec] = list(inputs)
         self.outputs: list[OutputSpec] = list(outputs)
         self.chunk_size = chunk_size
@@ -73,7 +75,8 @@ class RegionProgram:
         self.split = JointSplit(graph_module, [_arg_spec(spec) for spec in self.inputs],
                                 differentiable_outputs=[j for j, o in enumerate(self.outputs) if o.keeps_grad],
                                 differentiable_inputs=[i for i, spec in enumerate(self.inputs)
-                                                       if spec.dtype.is_floating_point])
+                                                       if spec.dtype.is_floating_point],
+                                device=self.device)
         self._forward_kernel = None
         # Gradient kernels by (kind, active outputs, wanted inputs), kind "backward" or "fused"
         # (`JointSplit.backward` / `.fused`); graphs traced ahead wait, uncompiled, in `_traced`.
@@ -89,7 +92,7 @@ class RegionProgram:
     def _identity(self) -> tuple:
         """Everything that makes this program compute what it computes (its key hashes it)."""
         return (OPS_FORMAT, self.graph_module.code, self.inputs, self.outputs,
-                self.chunk_size, self.chunk_budget_bytes, self.inner, self.index_checks)
+                self.chunk_size, self.chunk_budget_bytes, self.inner, str(self.device), self.index_checks)
 
     @property
     def total_positions(self) -> tuple[int, ...]:
@@ -135,7 +138,7 @@ class RegionProgram:
         device = tensors[self.wide_input_positions[0]].device
         outs = [torch.empty(() if spec.reduction else shape, dtype=spec.dtype, device=device)
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
-        return outs + [torch.empty_like(seeds[0])] + [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
+        return outs + [torch.empty_like(seeds[0])] + [_empty_gradient(t) for t, need in zip(tensors, needs_grad) if need]
 
     def empty_saved(self, wide):
         """Empty buffers, one row per row of the wide input `wide`, for the saved row statistics."""
@@ -213,16 +216,20 @@ class RegionProgram:
         return [o.reshape(shape) for o, shape in zip(outs, self._split_sizes(out_sizes))] + outs[n:]
 
     def _check_token_ids(self, tensors, vocab):
-        """Raise a clear error for a token id outside [0, V), as eager does, never gather garbage."""
+        """Raise a clear error for a token id outside [0, V), as eager does, never gather garbage
+        (on an accelerator a device-side assert, as eager's gather there)."""
         for position, ignore_index in self.index_checks:
             ids = tensors[position]
             bad = (ids < 0) | (ids >= vocab)
             if ignore_index is not None:
                 bad &= ids != ignore_index
-            if bool(bad.any()):
-                value = ids[bad].flatten()[0].item()
-                raise IndexError(f"graphpass: token id {value} is outside the vocabulary [0, {vocab}); "
-                                 "check the targets/labels passed to the loss")
+
+            def describe(ids=ids, bad=bad):
+                return IndexError(f"graphpass: token id {ids[bad].flatten()[0].item()} is outside the vocabulary "
+                                  f"[0, {vocab}); check the targets/labels passed to the loss")
+
+            devices.check(~bad.any(), describe, f"graphpass: a token id is outside the vocabulary [0, {vocab}); "
+                                                "check the targets/labels passed to the loss")
 
     def _get_forward_kernel(self):
         if self._forward_kernel is None:
@@ -287,7 +294,7 @@ class RegionProgram:
         result = [o if j in totals else o.reshape(shape)
                   for j, (o, shape) in enumerate(zip(outs, self._split_sizes(out_sizes)))]
         carrier = torch.full((), -0.0, dtype=seeds[0].dtype, device=seeds[0].device)
-        return result + [carrier] + [torch.zeros_like(t) if g is None else g
+        return result + [carrier] + [_empty_gradient(t).zero_() if g is None else g
                                      for t, g, need in zip(tensors, grads, needs_grad) if need]
 
     @staticmethod
@@ -301,9 +308,10 @@ class RegionProgram:
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """Gradients for `tensors` (None where not needed), recomputed chunk by chunk."""
         # An output whose incoming gradient is absent or all zero contributes nothing: skip
-        # its recompute (this is how an entropy returned only for logging costs nothing here).
+        # its recompute (this is how an entropy returned only for logging costs nothing here;
+        # on an accelerator only an absent one is skipped, see `devices.known_zero`).
         active = tuple(i for i, (spec, g) in enumerate(zip(self.outputs, grad_outputs))
-                       if spec.keeps_grad and g is not None and bool(g.any()))
+                       if spec.keeps_grad and not devices.known_zero(g))
         wanted = self._kernel_wanted(needs_grad)
         grads = [None] * len(tensors)
         if not active or not wanted:
@@ -372,12 +380,18 @@ class RegionProgram:
             self._traced[key] = self.split.fused(*key[1:])
 
 
+def _empty_gradient(t: torch.Tensor) -> torch.Tensor:
+    """A buffer for `t`'s gradient as the ops return every gradient: contiguous, whatever `t`'s
+    strides (a permuted or column-major input too), so fake and real kernels agree on strides."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 class _GradBuffer:
     """An input's gradient, written in place chunk by chunk into one buffer of its dtype."""
 
     def __init__(self, position, tensor, rows):
         self.position = position
-        self.buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        self.buffer = _empty_gradient(tensor)
         self.flat = self.buffer.view(rows, -1)
 
     def slot(self, sl):
@@ -415,7 +429,8 @@ def program(key: str) -> RegionProgram:
                            "recompile the function with backend='graphpass'") from None
 
 
-@torch.library.custom_op("graphpass::rowwise_chunked", mutates_args=())
+@torch.library.custom_op("graphpass::rowwise_chunked", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def rowwise_chunked(key: str, tensors: list[torch.Tensor], out_sizes: list[int]) -> list[torch.Tensor]:
     """Run a registered row-local region chunk by chunk; see `RegionProgram`."""
     return program(key).forward(tensors, out_sizes)
@@ -426,18 +441,19 @@ def _(key, tensors, out_sizes):
     return program(key).fake_outputs(tensors, out_sizes)
 
 
-@torch.library.custom_op("graphpass::rowwise_chunked_backward", mutates_args=())
+@torch.library.custom_op("graphpass::rowwise_chunked_backward", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor], saved: list[torch.Tensor],
                              grad_outputs: list[torch.Tensor | None], needs_grad: list[bool]) -> list[torch.Tensor]:
     """Gradients of the inputs flagged in `needs_grad`, in order; see `RegionProgram.backward`."""
     grads = program(key).backward(tensors, saved, needs_grad, grad_outputs)
-    return [torch.zeros_like(t) if g is None else g
+    return [_empty_gradient(t).zero_() if g is None else g
             for t, g, need in zip(tensors, grads, needs_grad) if need]
 
 
 @rowwise_chunked_backward.register_fake
 def _(key, tensors, saved, grad_outputs, needs_grad):
-    return [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
+    return [_empty_gradient(t) for t, need in zip(tensors, needs_grad) if need]
 
 
 def _setup_context(ctx, inputs, output):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from graphpass.ops import devices
 from graphpass.ops.chunked_op import program
 
 _SECOND_BACKWARD = ("graphpass: a second backward through a retained graph of a loss whose gradients were "
@@ -25,7 +26,8 @@ _SECOND_BACKWARD = ("graphpass: a second backward through a retained graph of a 
                     "graphpass.Backend(gradients_in_forward=False) to backpropagate it more than once")
 
 
-@torch.library.custom_op("graphpass::rowwise_chunked_with_gradients", mutates_args=())
+@torch.library.custom_op("graphpass::rowwise_chunked_with_gradients", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def rowwise_chunked_with_gradients(key: str, tensors: list[torch.Tensor], out_sizes: list[int],
                                    needs_grad: list[bool], seeds: list[torch.Tensor]) -> list[torch.Tensor]:
     """Outputs, the carrier, the flagged inputs' gradients for the totals' gradients `seeds`, then
@@ -40,7 +42,8 @@ def _(key, tensors, out_sizes, needs_grad, seeds):
         torch.empty((), dtype=torch.int64)]
 
 
-@torch.library.custom_op("graphpass::scale_gradients_", mutates_args=("grads", "calls"))
+@torch.library.custom_op("graphpass::scale_gradients_", mutates_args=("grads", "calls"),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def scale_gradients_(grads: list[torch.Tensor], calls: torch.Tensor, g: torch.Tensor) -> None:
     """Scale `grads` (for a loss of gradient 1) by the loss's gradient `g`, once."""
     if int(calls) > 0:

@@ -59,9 +59,13 @@ class JointSplit:
     fused(active, wanted): both at once, without the saved values in between.
     """
 
-    def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs):
+    def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs,
+                 device: torch.device):
         self.program = program
         self.args = list(args)
+        # Traced on the device the kernels run on: a factory node the trace writes (the gather
+        # backward's `arange`, a user's `torch.full(..., device=x.device)`) names that device.
+        self.device = torch.device(device)
         self.n_outputs = len(program.graph.output_node().args[0])
         self._ids = _StructuralIds()
         self._split_forward(self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs)))
@@ -89,7 +93,8 @@ class JointSplit:
         fake_mode, rows = _torch_api.symbolic_rows_mode()
         # Traced the same wherever it is first needed (inside autograd's backward, too).
         with torch.inference_mode(False), torch.enable_grad(), fake_mode:
-            primals = [torch.empty((rows, *spec.shape[1:]) if spec.per_row else spec.shape, dtype=spec.dtype)
+            primals = [torch.empty((rows, *spec.shape[1:]) if spec.per_row else spec.shape, dtype=spec.dtype,
+                                   device=self.device)
                        for spec in self.args]
             outs = program(*primals)
             cotangents = [torch.empty_like(outs[j]) for j in active]

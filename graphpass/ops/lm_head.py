@@ -28,6 +28,7 @@ import dataclasses
 
 import torch
 
+from graphpass.ops import devices
 from graphpass.ops.chunked_op import _TEMPORARIES_PER_CHUNK, RegionProgram
 
 
@@ -83,7 +84,8 @@ class LinearHeadProgram(RegionProgram):
         kernel = 4 * _TEMPORARIES_PER_CHUNK[self.inner] / (self.SUB_CHUNKS if backward else 1)
         if not backward:
             return itemsize + kernel
-        upcast = 4 if itemsize < 4 else 0  # the block's fp32 copy for the weight's gradient
+        # The block's fp32 copy for the weight's gradient, on the CPU only (`devices.mm_into`).
+        upcast = 4 if itemsize < 4 and devices.host_reads_are_free(self.device) else 0
         return itemsize * (1 + 1 / self.SUB_CHUNKS) + upcast + kernel
 
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
@@ -245,18 +247,12 @@ class _HeadGradients:
                 self.hidden_flat[rows].copy_(torch.mm(weight.t(), dlogits.t()).t())
             else:
                 torch.mm(dlogits, weight, out=self.hidden_flat[rows])
-        if self.weight_acc is not None or self.bias_acc is not None:
-            acc = self.acc_dtype
-            wide = dlogits.to(acc)  # the same tensor for fp32 and float64; a block-sized copy for bf16
-            if self.weight_acc is not None:
-                # dW [V, H] += dlogits.T @ h, or for an [H, V] weight dW += h.T @ dlogits
-                left, right = (hidden_block.t().to(acc), wide) if transposed else (wide.t(), hidden_block.to(acc))
-                if self.first_block:
-                    torch.mm(left, right, out=self.weight_acc)
-                else:
-                    self.weight_acc.addmm_(left, right)
-            if self.bias_acc is not None:
-                self.bias_acc += wide.sum(0)
+        if self.weight_acc is not None:
+            # dW [V, H] += dlogits.T @ h, or for an [H, V] weight dW += h.T @ dlogits
+            left, right = (hidden_block.t(), dlogits) if transposed else (dlogits.t(), hidden_block)
+            devices.mm_into(self.weight_acc, left, right, accumulate=not self.first_block)
+        if self.bias_acc is not None:
+            self.bias_acc += dlogits.sum(0, dtype=self.acc_dtype)
         self.first_block = False
         self.values = None
 

@@ -49,7 +49,7 @@ def factor_row_sums(gm: torch.fx.GraphModule) -> bool:
         if terms is None or not any(after_sum(c) for _, coefs, _ in terms for c in coefs):
             continue
         with graph.inserting_before(node):
-            total = _emit(graph, terms, width)
+            total = _emit(graph, terms, width, summand.meta["val"].device)
             if not _keepdim(node):
                 total = graph.call_function(aten.squeeze.dim, (total, -1))
         node.replace_all_uses_with(total)
@@ -193,7 +193,7 @@ class _TooMany(Exception):
     pass
 
 
-def _emit(graph, terms, width):
+def _emit(graph, terms, width, device):
     """`sum_t scale_t * prod(coefficients_t) * sum(prod(wide factors_t), -1, keepdim=True)`, with
     equal wide products summed once."""
     by_product: dict = {}
@@ -202,25 +202,25 @@ def _emit(graph, terms, width):
     total = None
     for wide, parts in by_product.items():
         if wide:
-            product = _product(graph, [_node(graph, w) for w in wide])
+            product = _product(graph, [_node(graph, w) for w in wide], device)
             row_sum = graph.call_function(_ROW_SUM, (product, [-1], True))
         else:
             row_sum = float(width)  # a sum of row constants over the row
         coefficient = None
         for scale, coefs in parts:
-            c = _product(graph, [_node(graph, f) for f in coefs], scale)
+            c = _product(graph, [_node(graph, f) for f in coefs], device, scale)
             coefficient = c if coefficient is None else graph.call_function(aten.add.Tensor, (coefficient, c))
         value = graph.call_function(aten.mul.Tensor, (coefficient, row_sum))
         total = value if total is None else graph.call_function(aten.add.Tensor, (total, value))
     return total
 
 
-def _product(graph, factors, scale=1.0):
+def _product(graph, factors, device, scale=1.0):
     result = None
     for f in factors:
         result = f if result is None else graph.call_function(aten.mul.Tensor, (result, f))
-    if result is None:
-        return graph.call_function(aten.scalar_tensor.default, (scale,), {"dtype": torch.float32})
+    if result is None:  # on the kernel's device: a CPU scalar in a CUDA kernel is a second device
+        return graph.call_function(aten.scalar_tensor.default, (scale,), {"dtype": torch.float32, "device": device})
     return result if scale == 1.0 else graph.call_function(aten.mul.Tensor, (result, scale))
 
 

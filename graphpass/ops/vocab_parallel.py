@@ -33,6 +33,7 @@ import torch
 import torch.distributed
 
 from graphpass import _torch_api
+from graphpass.ops import devices
 from graphpass.ops.groups import all_gather, group_name, rank_and_size
 
 # Rows per chunk when the caller does not choose: one fp32 `[chunk, V/tp]` temporary takes about
@@ -97,10 +98,12 @@ def _chunks(logits, chunk_size: int):
             yield slice(offset + start, offset + stop), block[start:stop]
 
 
-def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int) -> int:
+def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int, device: torch.device) -> int:
     if chunk_size > 0:
         return max(1, min(chunk_size, rows))
-    budget = min(_CHUNK_BUDGET_BYTES, rows * vocab * itemsize * _CHUNK_FLOOR_FRACTION)
+    budget = rows * vocab * itemsize * _CHUNK_FLOOR_FRACTION
+    if devices.host_reads_are_free(device):  # on the CPU a chunk also fits the cache
+        budget = min(_CHUNK_BUDGET_BYTES, budget)
     return max(1, min(rows, int(budget) // max(1, vocab * 4)))
 
 
@@ -212,17 +215,25 @@ def _finish(stats, with_entropy: bool, masked: bool, ignored, target_flat, vocab
     # Every rank gathered the same statistics, so every rank raises here, together.
     tokens = stats[..., _TOKEN]
     differ = (tokens != tokens[:1]).any(dim=0)
-    if bool(differ.any()):
+
+    def different_targets():
         row = int(differ.nonzero()[0, 0])
-        raise ValueError(f"graphpass: the ranks of the tensor-parallel group were given different targets (row {row}: "
-                         f"{[int(t) for t in tokens[:, row].tolist()]}); pass the same targets on every rank")
+        return ValueError(f"graphpass: the ranks of the tensor-parallel group were given different targets (row {row}: "
+                          f"{[int(t) for t in tokens[:, row].tolist()]}); pass the same targets on every rank")
+
+    devices.check(~differ.any(), different_targets, "graphpass: the ranks of the tensor-parallel group were given "
+                                                    "different targets; pass the same targets on every rank")
     bad = (stats[..., _OWNER].sum(dim=0) != 1) & ~ignored
-    if bool(bad.any()):
+
+    def outside_vocabulary():
         row = int(bad.nonzero()[0, 0])
-        token = int(target_flat[row])
-        raise ValueError(f"graphpass: token id {token} at row {row} is outside the vocabulary [0, {vocab_global}) "
-                         f"({size} ranks x {vocab_global // size} columns) and is not ignore_index; "
-                         "check the targets, or set ignore_index to the padding id")
+        return ValueError(f"graphpass: token id {int(target_flat[row])} at row {row} is outside the vocabulary "
+                          f"[0, {vocab_global}) ({size} ranks x {vocab_global // size} columns) and is not "
+                          "ignore_index; check the targets, or set ignore_index to the padding id")
+
+    devices.check(~bad.any(), outside_vocabulary, f"graphpass: a token id is outside the vocabulary [0, {vocab_global}) "
+                                                  "and is not ignore_index; check the targets, or set ignore_index "
+                                                  "to the padding id")
     big_m, total, _ = _combine(stats[..., _M], stats[..., _S])
     lse_lp = big_m + total.log()
     logprob = torch.where(ignored, torch.zeros_like(lse_lp), stats[..., _TARGET].sum(dim=0) - lse_lp)
@@ -258,7 +269,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
     local_target, owned, ignored = _local_targets(target_flat, rank, vocab, ignore_index)
     keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
     stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
-    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
     with torch.no_grad():
         for sl, piece in _row_chunks(logits, chunk):
             lt, own = local_target[sl], owned[sl]
@@ -329,9 +340,9 @@ def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_lo
         lse_lp = torch.where(ignored, float("inf"), lse_lp) if masked else lse_lp
         g_target = torch.where(owned, g_lp, 0)
     # An entropy returned only for logging gets a zero gradient: skip its recompute.
-    g_ent = None if grad_entropy is None or not bool(grad_entropy.any()) else _flat(grad_entropy, rows).to(dtype)
+    g_ent = None if devices.known_zero(grad_entropy) else _flat(grad_entropy, rows).to(dtype)
     lse_ent = lse_full if masked else lse_lp
-    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
     if not masked:
         kernel = _kernel(_chunk_grad, kernels)
         entropy_rows = entropy.reshape(-1)
@@ -365,7 +376,8 @@ def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_lo
 
 
 # ---- custom ops ----------------------------------------------------------------------------------
-@torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=())
+@torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
                        temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
                        chunk_size: int, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,7 +391,8 @@ def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_
     return _fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
 
 
-@torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy_backward", mutates_args=())
+@torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy_backward", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None,
                                 lse_lp: torch.Tensor, lse_full: torch.Tensor, entropy: torch.Tensor,
                                 grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
@@ -515,12 +528,10 @@ class _HeadGradients:
     def __call__(self, sl, dl):
         if self.hidden_grad is not None:
             torch.mm(dl, self.head.weight, out=self.hidden_grad[sl])
-        if self.weight_acc is not None or self.bias_acc is not None:
-            wide = dl.to(self.acc)  # the same tensor for fp32 and float64; a chunk-sized copy for bf16
-            if self.weight_acc is not None:
-                self.weight_acc.addmm_(wide.t(), self.head.hidden[sl].to(self.acc))
-            if self.bias_acc is not None:
-                self.bias_acc += wide.sum(0)
+        if self.weight_acc is not None:
+            devices.mm_into(self.weight_acc, dl.t(), self.head.hidden[sl], accumulate=True)
+        if self.bias_acc is not None:
+            self.bias_acc += dl.sum(0, dtype=self.acc)
 
     def results(self):
         """(dhidden, dW, db), each `[0]` where not wanted (a custom op returns tensors, never None)."""
@@ -539,7 +550,8 @@ def _fake_outputs(like, lead, with_entropy: bool, masked: bool):
     return like.new_empty(lead, dtype=dtype), entropy, like.new_empty((rows,), dtype=dtype), lse_full
 
 
-@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy", mutates_args=())
+@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_head_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str, temperature: float,
                             with_entropy: bool, entropy_grad: bool, ignore_index: int | None, chunk_size: int,
@@ -557,7 +569,8 @@ def _(hidden, weight, bias, target, keep_mask, group_name, temperature, with_ent
     return _fake_outputs(hidden, hidden.shape[:-1], with_entropy, keep_mask is not None)
 
 
-@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy_backward", mutates_args=())
+@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy_backward", mutates_args=(),
+                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                      target: torch.Tensor, keep_mask: torch.Tensor | None, lse_lp: torch.Tensor,
                                      lse_full: torch.Tensor, entropy: torch.Tensor, grad_logprob: torch.Tensor | None,
@@ -578,8 +591,9 @@ def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor,
 def _(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
       temperature, ignore_index, chunk_size, kernels, need_hidden, need_weight, need_bias):
     return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty((0,)),
-            torch.empty_like(weight) if need_weight else weight.new_empty((0,)),
-            torch.empty_like(bias) if need_bias and bias is not None else weight.new_empty((0,)))
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty((0,)),
+            torch.empty_like(bias, memory_format=torch.contiguous_format) if need_bias and bias is not None
+            else weight.new_empty((0,)))
 
 
 def _head_setup_context(ctx, inputs, output):
