@@ -2,6 +2,7 @@
 
     python -m bench.cp                 # 48 sequences, cp = 2, 4 on gloo ranks; cp = 8 counted
     python -m bench.cp --quick         # 8 short sequences, the aot_eager compiler (CI, a minute)
+    python -m bench.cp --device cuda   # NCCL ranks, one GPU each (cp = 4 needs four)
 
 Every loss of `bench.cp_losses` (token-mean PPO, per-sample GRPO, GSPO, OPSM, and PPO that also
 returns every token's log-prob) starts from this rank's per-token log-probs `[T_local]` (a leaf that
@@ -23,7 +24,9 @@ with `unshard`'s (slime's gradient divided by cp: its all-reduce's backward sums
 ranks that all compute the whole loss, so it comes out cp x the loss's). cp = 8 is counted, not run: slime's bytes are 2 x 4 x R whatever cp; graphpass's
 reduced sums do not depend on cp (their sizes come from the cp = 2 run); an exact `unshard`
 contributes T_local x 4 bytes (`graphpass.cp.rows_per_rank`). The table goes to stdout, everything
-to `--out` (bench/results/cp.json).
+to `--out` (bench/results/cp.json). With `--device cuda` the ranks are NCCL ranks on one GPU each
+(the rollout moved there, the GPU synchronised before every clock read); a cp the machine has too
+few GPUs for is skipped.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class CpSpec:
     warmup: int = 2
     compiler: str = "inductor"
     seed: int = 0
+    device: str = "cpu"
+    """"cpu" (gloo ranks) or "cuda" (NCCL ranks, one GPU each)."""
 
     def lengths(self) -> tuple[list[int], list[int]]:
         """(sequence lengths, prompt lengths): prompt + response tokens per sequence."""
@@ -95,7 +100,8 @@ def slime_style(loss, layout, response_index, local_logp, old_logp, adv, mask, s
     local_index = layout.shard(response_index + 1) - 1  # padding rows read 0 -> -1
     keep = local_index >= 0
     total = int((response_index >= 0).sum())
-    full = torch.zeros(total, dtype=local_logp.dtype).index_put((local_index[keep],), local_logp[keep])
+    full = torch.zeros(total, dtype=local_logp.dtype, device=local_logp.device).index_put(
+        (local_index[keep],), local_logp[keep])
     with warnings.catch_warnings():  # deprecated in 2.13, and what slime calls
         warnings.simplefilter("ignore", FutureWarning)
         full = dist_nn.all_reduce(full, group=layout.group)
@@ -118,11 +124,12 @@ def _rank(rank: int, world: int, spec: CpSpec, kind: str) -> dict:
     import torch.distributed as dist
 
     import graphpass
-    from bench.ranks import collectives
+    from bench.ranks import collectives, device, synchronize
     from graphpass import cp
 
     lens, _ = spec.lengths()
-    data = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+    here = device()
+    data = {k: (v.to(here, torch.float32 if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor) else v)
             for k, v in spec.rollout().items()}
     layout = getattr(cp.Layout, kind)(dist.group.WORLD, lens)
     response_index = torch.where(data["response"], data["response"].long().cumsum(0) - 1, -1)
@@ -144,10 +151,12 @@ def _rank(rank: int, world: int, spec: CpSpec, kind: str) -> dict:
             for step in range(spec.warmup + spec.steps):
                 x = local_logp.clone().requires_grad_()
                 dist.barrier()
+                synchronize()
                 t0 = time.perf_counter()
                 with collectives() as issued:
                     value = fn(x, *(data[k] for k in ARGS))
                     (value[0] if isinstance(value, tuple) else value).backward()
+                synchronize()
                 elapsed = time.perf_counter() - t0
                 if step >= spec.warmup:
                     times.append(elapsed)
@@ -175,7 +184,7 @@ def _rank(rank: int, world: int, spec: CpSpec, kind: str) -> dict:
 
 # ---- the grid -------------------------------------------------------------------------------------
 def run(spec: CpSpec, kinds=LAYOUTS, cps=RUN_CP) -> list[dict]:
-    from bench.ranks import run_ranks
+    from bench.ranks import backend_for, run_ranks
     from graphpass import cp
 
     lens, _ = spec.lengths()
@@ -184,7 +193,7 @@ def run(spec: CpSpec, kinds=LAYOUTS, cps=RUN_CP) -> list[dict]:
     for kind in kinds:
         reduced_bytes = {}
         for world in cps:
-            per_rank = run_ranks(_rank, world, args=(spec, kind), timeout_s=1500)
+            per_rank = run_ranks(_rank, world, args=(spec, kind), timeout_s=1500, backend=backend_for(spec.device))
             for name in LOSSES:
                 for method in METHODS:
                     rs = [r["results"][name][method] for r in per_rank]
@@ -260,10 +269,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 short sequences, aot_eager, cp = 2 only")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks; cuda: NCCL ranks, one GPU each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
     args = parser.parse_args(argv)
-    spec = QUICK if args.quick else CpSpec()
+    spec = dataclasses.replace(QUICK if args.quick else CpSpec(), device=args.device)
     cps = (2,) if args.quick else RUN_CP
+    if args.device == "cuda":
+        skipped = [c for c in cps if c > torch.cuda.device_count()]
+        cps = tuple(c for c in cps if c not in skipped)
+        if skipped:
+            print(f"bench.cp: cp = {', '.join(map(str, skipped))} skipped: {torch.cuda.device_count()} GPU(s) here")
+        if not cps:
+            return 2
     lens, prompts = spec.lengths()
     print(f"bench.cp: {len(lens)} sequences, T={sum(lens)} tokens, {sum(lens) - sum(prompts)} response tokens; "
           f"layouts {', '.join(args.layouts)}; cp {', '.join(map(str, cps))} run, "

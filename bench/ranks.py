@@ -1,11 +1,14 @@
-"""Run a function on N ranks of a gloo process group, each its own process, and get its results (tests, `bench.tp`).
+"""Run a function on N ranks of a gloo (or NCCL) process group, each its own process, and get its results (tests, `bench.tp`).
 
     results = run_ranks(check, world_size=2, args=(seed,), timeout_s=60)
+    results = run_ranks(check, world_size=2, backend="nccl")   # one GPU per rank: cuda:<rank>
 
 `check(rank, world_size, *args)` runs in a spawned process (so it must be a module-level function
-of an importable module) after `init_process_group("gloo")` on 127.0.0.1 with a free port,
+of an importable module; spawned, never forked, so that each rank initialises CUDA itself) after
+`init_process_group(backend)` on 127.0.0.1 with a free port,
 `TORCH_DISTRIBUTED_DEBUG=DETAIL` (mismatched collectives raise at once instead of hanging) and
-`torch.set_num_threads(1)`. Its return value (anything `torch.save` takes) comes back to the parent
+`torch.set_num_threads(1)`; under NCCL the rank's current CUDA device is `cuda:<rank>`
+(`device()` inside the rank gives it, or the CPU under gloo). Its return value (anything `torch.save` takes) comes back to the parent
 in rank order. An exception in a rank is re-raised in the parent as `RankFailed` with that rank's
 traceback text (the first rank to fail; the others' last lines follow); a rank still running at the deadline is killed, and the test fails saying which.
 
@@ -41,6 +44,24 @@ _DEPTH = [0]  # a logged collective that calls another (a deprecated alias) is l
 
 class RankFailed(AssertionError):
     """A rank raised, crashed or overran the deadline; the message carries its traceback text."""
+
+
+def backend_for(device: str) -> str:
+    """The process-group backend for ranks on `device` ("cpu" or "cuda"): NCCL on CUDA, else gloo."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def device() -> torch.device:
+    """Inside a rank: where its tensors live (its GPU under NCCL, the CPU under gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Inside a rank: wait for its GPU's queued work (nothing under gloo); before every clock read."""
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
 
 
 def free_port() -> int:
@@ -107,7 +128,7 @@ def _install_collective_log() -> None:
             setattr(dist, name, wrapped)
 
 
-def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s):
+def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s, backend="gloo"):
     """The spawned process: set up the group, run `fn`, write its result or traceback."""
     path = os.path.join(out_dir, f"rank{rank}.pt")
     failed_at = None
@@ -116,7 +137,9 @@ def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), TORCH_DISTRIBUTED_DEBUG="DETAIL")
         _install_collective_log()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, before NCCL binds its communicator
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
             result = ("ok", fn(rank, world_size, *args))
@@ -137,19 +160,22 @@ def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s):
 
 
 # ---- the parent -------------------------------------------------------------------------------
-def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0, grace_s: float = 5.0) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; its results in rank order.
+def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0, grace_s: float = 5.0,
+              backend: str = "gloo") -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks of a `backend` group; its results in rank order.
 
     Raises `RankFailed` naming the rank, with its traceback, if one raised or crashed, and naming the
     ranks still running (after killing them) if they did not all finish within `timeout_s`. A rank
     that raised leaves its peers `grace_s` to finish before they are killed (they may be waiting
-    in a collective it never reached).
+    in a collective it never reached). NCCL needs a GPU per rank: fewer raise ValueError at once.
     """
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"{world_size} NCCL ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="graphpass-ranks-") as out_dir:
         # Each rank's process-group timeout ends before the deadline, so that a hang in a
         # collective surfaces as that rank's own error, with a traceback, where gloo allows.
         pg_timeout = max(5.0, timeout_s - 10.0)
-        context = mp.start_processes(_entry, args=(fn, world_size, free_port(), args, out_dir, pg_timeout),
+        context = mp.start_processes(_entry, args=(fn, world_size, free_port(), args, out_dir, pg_timeout, backend),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         failed_at = None

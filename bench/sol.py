@@ -1,6 +1,6 @@
 """The machine's speed of light for a log-prob/entropy loss over logits [T, V], measured.
 
-    python -m bench.sol                     # the suite's grid, on this machine (CPU, or --device cuda)
+    python -m bench.sol                     # the suite's grid, on this machine (cuda when present, else cpu)
     python -m bench.sol --T 4096 --V 32768 --dtypes fp32 --out /tmp/sol.json
 
 No implementation of the loss can do less than two passes over the logits: forward, one read that
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import Spec, _timed, machine_description, provenance, run_isolated
+from bench.harness import Spec, _timed, default_device, machine_description, provenance, run_isolated, torch_dtype
 
 GRID_T = (1024, 4096, 16384)
 GRID_V = (32768, 151936)
@@ -129,9 +129,8 @@ def measure(spec: Spec) -> dict:
     """The worker: time the two passes at `spec`'s shape (the `measure_fn` of `run_isolated`)."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     g = torch.Generator(device="cpu").manual_seed(spec.seed)
-    logits = torch.randn(spec.T, spec.V, generator=g).to(device=spec.device, dtype=dtype)
+    logits = torch.randn(spec.T, spec.V, generator=g).to(device=spec.device, dtype=torch_dtype(spec.dtype))
     passes = Passes(logits, spec.seed)
     error = passes.backward_max_abs_error()
     fwd, bwd = [], []
@@ -147,11 +146,13 @@ def measure(spec: Spec) -> dict:
                 steps=len(fwd), backward_max_abs_error=error, load=os.getloadavg()[0])
 
 
-def run(T=GRID_T, V=GRID_V, dtypes=DTYPES, device: str = "cpu", steps: int = 5, timeout_s: float = 600) -> list[dict]:
-    """SoL of every configuration, each in its own worker; skipped where the logits and their
-    gradient would not fit in half this machine's memory."""
+def run(T=GRID_T, V=GRID_V, dtypes=DTYPES, device: str | None = None, steps: int = 5,
+        timeout_s: float = 600) -> list[dict]:
+    """SoL of every configuration (on `device`, None: `default_device()`, as the suite), each in
+    its own worker; skipped where the logits and their gradient would not fit in half the RAM."""
     from bench.harness import DTYPE_BYTES, total_ram_bytes
 
+    device = device or default_device()
     rows = []
     for t in T:
         for v in V:
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--T", type=int, nargs="+", default=list(GRID_T))
     parser.add_argument("--V", type=int, nargs="+", default=list(GRID_V))
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, as bench.suite)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)

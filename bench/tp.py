@@ -3,6 +3,7 @@
     python -m bench.tp                 # megatron, slime x eager, inductor, graphpass x T 2048, 8192 x fp32, bf16
     python -m bench.tp --quick         # T=2048 only, fewer steps (a few minutes)
     python -m bench.tp --code slime --T 8192 --dtype bf16 --methods inductor graphpass
+    python -m bench.tp --device cuda   # NCCL ranks, one GPU each (cuda:0, cuda:1)
 
 The loss is `bench.tp_losses.ppo_loss` on the log-probs of one of two vocab-parallel codes:
 `megatron` (megatron-core's `vocab_parallel_cross_entropy`, negated; no entropy) and `slime` (a
@@ -19,7 +20,9 @@ max over ranks; the median step time (forward + backward; each step's time is th
 rank's); the collectives a rank issues per step; graphpass's vocab-parallel sites and their
 collective bytes (from `backend.records`); and parity: the loss and `logits.grad` against eager's
 on the same inputs (max abs difference relative to eager's largest magnitude, max over ranks).
-The table goes to stdout, everything to `--out` (bench/results/tp.json).
+The table goes to stdout, everything to `--out` (bench/results/tp.json). With `--device cuda`
+the ranks are NCCL ranks on one GPU each: peaks from `max_memory_allocated`, the GPU synchronised
+before every clock read, the collectives counted from the profiler's `nccl:` events.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class TpSpec:
     memory_steps: int = 2
     """Steps per method measured for peak memory (a separate phase: see `run_config`)."""
     seed: int = 0
+    device: str = "cpu"
+    """"cpu" (gloo ranks) or "cuda" (NCCL ranks, one GPU each)."""
 
     def floor_bytes(self, world: int) -> int:
         """Bytes of one rank's `logits.grad`."""
@@ -104,7 +109,10 @@ def _inputs(spec: TpSpec, rank: int, world: int):
     """
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
+    from bench.harness import torch_dtype
+    from bench.ranks import device
+
+    dtype = torch_dtype(spec.dtype)
     width = spec.V // world
     g = torch.Generator().manual_seed(spec.seed)
     logits = torch.empty(spec.T, width, dtype=dtype)
@@ -116,7 +124,8 @@ def _inputs(spec: TpSpec, rank: int, world: int):
     target = torch.randint(0, spec.V, (spec.T,), generator=g)
     old_log_prob = -math.log(spec.V) - 0.5 + 0.5 * torch.randn(spec.T, generator=g)
     advantages = torch.randn(spec.T, generator=g)
-    return logits.requires_grad_(), target, old_log_prob, advantages
+    here = device()  # drawn on the CPU (the same matrix whatever the device), then moved
+    return logits.to(here).requires_grad_(), target.to(here), old_log_prob.to(here), advantages.to(here)
 
 
 def _build(method: str, spec: TpSpec):
@@ -171,9 +180,11 @@ def _profiled(step) -> list[str]:
 
     `bench.ranks.collectives()` sees calls through `torch.distributed`'s Python functions: eager
     code and graphpass's op, not the functional collectives that compiled code calls from its
-    graph. The profiler's `gloo:` events are every path's collectives as the process group runs
-    them, so this one count serves every method.
+    graph. The profiler's events named after the backend (`gloo:all_reduce`, `nccl:all_reduce`)
+    are every path's collectives as the process group runs them, so this one count serves every
+    method.
     """
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     # Kineto prints a line to stderr at each profiler start and stop (no setting turns it off):
@@ -188,8 +199,9 @@ def _profiled(step) -> list[str]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    events = sorted((e for e in prof.events() if e.name.startswith("gloo:")), key=lambda e: e.time_range.start)
-    return [e.name.removeprefix("gloo:") for e in events]
+    prefix = f"{dist.get_backend()}:"
+    events = sorted((e for e in prof.events() if e.name.startswith(prefix)), key=lambda e: e.time_range.start)
+    return [e.name.removeprefix(prefix) for e in events]
 
 
 def run_config(rank: int, world: int, spec: TpSpec) -> dict:
@@ -215,6 +227,9 @@ def run_config(rank: int, world: int, spec: TpSpec) -> dict:
       allocates per chunk (an unfused eager per-chunk loop measured 4x slower that way here,
       inductor's whole-tensor kernels not measurably): those steps' times stay in the JSON
       (`memory_phase_times`), not in the table.
+
+    On CUDA ranks (NCCL, one GPU each) the peaks are the caching allocator's (`CudaMeter`) and
+    the malloc settings concern host memory only; the phases stay as they are.
     """
     import warnings
 
@@ -254,8 +269,8 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     import torch
     import torch.distributed as dist
 
-    from bench.harness import CpuMeter
-    from bench.ranks import collectives
+    from bench.harness import CpuMeter, CudaMeter
+    from bench.ranks import collectives, device, synchronize
 
     # Before the first large allocation: see run_config.
     pinned = _set_malloc(2**20, 128 * 2**10)
@@ -272,6 +287,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     # fresh fp32 copy: nothing to restore.
     pristine = logits.detach().clone() if spec.code == "megatron" and logits.dtype == torch.float32 else None
     built = {m: _build(m, spec) for m in spec.methods}
+    meter = CudaMeter() if logits.is_cuda else CpuMeter()  # on a GPU, the caching allocator's peaks
     state = dict(loss=None)
     overwritten = {m: False for m in spec.methods}
 
@@ -297,12 +313,14 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
             before()
         dist.barrier()  # both ranks start together: no rank's time includes waiting for the other
         with collectives() as issued:
+            synchronize()
             t0 = time.perf_counter()
             step(method)
+            synchronize()
             elapsed = time.perf_counter() - t0
         # Every rank must run the same number of steps: stopping rules read the slowest rank's
         # time of each step, the same value on every rank.
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        slowest = torch.tensor([elapsed], dtype=torch.float64, device=device())
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return elapsed, slowest.item(), [c[0] for c in issued]
 
@@ -318,7 +336,6 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
                malloc_env=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                methods={m: dict(status="ok", first_call_s=first_call[m], peaks=[], memory_phase_times=[])
                         for m in spec.methods})
-    meter = CpuMeter()
     for _ in range(spec.memory_steps):
         for method in spec.methods:
             _, slowest, _ = timed_step(method, before=meter.reset)
@@ -386,14 +403,21 @@ def _timeout_s(spec: TpSpec) -> float:
     return 120 + 150 * compiled + len(spec.methods) * (spec.time_budget_s + (3 + spec.memory_steps) * per_step_s)
 
 
+def _row_base(spec: TpSpec, world: int) -> dict:
+    """The fields every row of `spec` starts with."""
+    return dict(code=spec.code, T=spec.T, V=spec.V, tp=world, dtype=spec.dtype, device=spec.device,
+                floor_bytes=spec.floor_bytes(world))
+
+
 def run(spec: TpSpec, world: int = TP) -> list[dict]:
     """One row per method of `spec` (status "error" for all when the spawn failed)."""
-    from bench.ranks import RankFailed, run_ranks
+    from bench.ranks import RankFailed, backend_for, run_ranks
 
-    base = dict(code=spec.code, T=spec.T, V=spec.V, tp=world, dtype=spec.dtype, floor_bytes=spec.floor_bytes(world))
+    base = _row_base(spec, world)
     started = time.monotonic()
     try:
-        per_rank = run_ranks(run_config, world, args=(spec,), timeout_s=_timeout_s(spec))
+        per_rank = run_ranks(run_config, world, args=(spec,), timeout_s=_timeout_s(spec),
+                             backend=backend_for(spec.device))
     except RankFailed as error:
         note = str(error).strip().splitlines()
         return [dict(base, method=m, status="error", note=" | ".join(note[:1] + note[-3:])[:800]) for m in spec.methods]
@@ -403,7 +427,7 @@ def run(spec: TpSpec, world: int = TP) -> list[dict]:
 def rows_from_ranks(spec: TpSpec, per_rank: list[dict], wall_s: float | None = None) -> list[dict]:
     """One row per method from the ranks' `run_config` results: peaks maxed over ranks, and so on."""
     world = len(per_rank)
-    base = dict(code=spec.code, T=spec.T, V=spec.V, tp=world, dtype=spec.dtype, floor_bytes=spec.floor_bytes(world))
+    base = _row_base(spec, world)
     rows = []
     for method in spec.methods:
         ranks = [r["methods"][method] for r in per_rank]
@@ -526,8 +550,8 @@ def plan(args) -> list[TpSpec]:
             # Peaks repeat to the page from step to step (they are the code's allocations, not
             # noise), and a memory-phase step at T=8192 costs up to ~25 s here: one there.
             steps = dict(steps=5, min_steps=2, time_budget_s=20.0, memory_steps=1 if T >= 8192 else 2)
-        specs += [TpSpec(code, T, dtype, methods=tuple(args.methods), **steps) for dtype in args.dtype
-                  for code in args.code]
+        specs += [TpSpec(code, T, dtype, methods=tuple(args.methods), device=args.device, **steps)
+                  for dtype in args.dtype for code in args.code]
     return specs
 
 
@@ -538,6 +562,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--code", nargs="+", choices=CODES, default=list(CODES))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks; cuda: NCCL ranks, one GPU each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results")
     args = parser.parse_args(argv)
     # Eager runs first in a configuration (it is the parity reference): keep the canonical order.
