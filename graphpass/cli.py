@@ -1,4 +1,4 @@
-"""`graphpass inspect FILE.py:FUNCTION --input NAME=SHAPE:DTYPE ... [--arg NAME=VALUE] [--json] [--dump DIR]`.
+"""`graphpass inspect FILE.py:FUNCTION --input NAME=SHAPE:DTYPE ... [--arg NAME=VALUE] [--device cuda] [--json] [--dump DIR]`.
 
 Captures the function with Dynamo on fake tensors (production shapes cost nothing), runs
 graphpass's rewrite, and prints the captured graphs, each candidate region with its source line
@@ -109,8 +109,8 @@ def load_function(target: str):
     return obj
 
 
-def bind_arguments(fn, tensor_specs, scalar_args):
-    """Fake tensors and scalars bound to `fn`'s parameters, checked against its signature."""
+def bind_arguments(fn, tensor_specs, scalar_args, device="cpu"):
+    """Fake tensors on `device` and scalars bound to `fn`'s parameters, checked against its signature."""
     import torch
 
     from graphpass import _torch_api
@@ -138,7 +138,7 @@ def bind_arguments(fn, tensor_specs, scalar_args):
     kwargs = {}
     with _torch_api.new_fake_mode():
         for name, shape, dtype, grad in tensor_specs:
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device=device)
             # Float inputs need grad unless told otherwise: the loss is differentiated w.r.t. them.
             if (grad if grad is not None else dtype.is_floating_point):
                 if not dtype.is_floating_point:
@@ -168,7 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump", metavar="DIR", help="write each graph before/after each pass as <graph>.<stage>.<pass>.py")
     p.add_argument("--chunk-size", type=int, default=None, metavar="N", help="rows per chunk (default: automatic)")
     p.add_argument("--no-graphs", action="store_true", help="do not print the captured graphs")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="the device the inputs are on: its chunk sizes and kernels (cuda works without a GPU)")
     return parser
+
+
+def traced_device(device: str) -> str:
+    """The device to make the fake inputs on: `device`, except CUDA on a torch built without it
+    (autograd on fake CUDA tensors aborts there), where `meta` stands in: graphpass takes the same
+    path on every device but the CPU (`graphpass.ops.devices`)."""
+    import torch
+
+    if device == "cuda" and not torch.backends.cuda.is_built():
+        print("graphpass: note: this torch has no CUDA; the cuda configuration is traced on meta tensors, "
+              "which take graphpass's accelerator path", file=sys.stderr)
+        return "meta"
+    return device
 
 
 def _fail(message: str, code: int) -> int:
@@ -189,7 +204,7 @@ def inspect_command(args) -> int:
         scalars = dict(scalar_list)
         with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
             fn = load_function(args.target)
-        kwargs = bind_arguments(fn, tensor_specs, scalar_list)
+        kwargs = bind_arguments(fn, tensor_specs, scalar_list, traced_device(args.device))
     except SpecError as e:
         return _fail(str(e), 2)
 

@@ -98,6 +98,15 @@ def test_inspect_json_is_json_only(capsys):
     assert data["inputs"]["temperature"] == "0.7"
 
 
+def test_inspect_a_cuda_configuration_without_a_gpu(capsys):
+    code, out, err = run(capsys, "inspect", PPO + ":ppo_loss", *SMALL, "--json", "--device", "cuda")
+    assert code == 0, err
+    (g,) = json.loads(out)["graphs"]
+    assert len(g["sites"]) == 1 and g["peak_after"] < g["peak_before"]
+    if not torch.backends.cuda.is_built():
+        assert "traced on meta tensors" in err
+
+
 def test_nothing_to_rewrite_has_zero_sites(tmp_path, capsys):
     f = tmp_path / "mse.py"
     f.write_text(textwrap.dedent("""

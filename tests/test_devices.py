@@ -252,3 +252,28 @@ def test_the_ops_are_not_captured_by_cuda_graphs():
                torch.ops.graphpass.vocab_parallel_lm_head_logprob_entropy,
                torch.ops.graphpass.vocab_parallel_lm_head_logprob_entropy_backward):
         assert torch.Tag.cudagraph_unsafe in op.default.tags, op
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_autocast_is_as_accurate_as_eager(inner):
+    """Training runs the lm_head under autocast: its bf16 matmul is captured as such, and the loss
+    and every gradient are as close to float64 as eager's under the same autocast."""
+    tensors = _inputs("head", "cpu", torch.float32)
+    copies = [[t.detach().clone().requires_grad_(t.requires_grad) for t in tensors] for _ in range(2)]
+    exact = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in tensors]
+    backend = graphpass.Backend(inner=inner)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(head_ppo, backend=backend)(*copies[0])
+        ref = head_ppo(*copies[1])
+    exact_loss = head_ppo(*exact)
+    for loss in (out, ref, exact_loss):
+        loss.backward()
+    assert backend.records[0].sites and backend.records[0].sites[0].dtype == torch.bfloat16
+
+    def error(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max())
+
+    assert error(out, exact_loss) <= 2 * error(ref, exact_loss) + 1e-6
+    for mine, eagers, truth in zip(copies[0][:2], copies[1][:2], exact[:2]):
+        assert error(mine.grad, truth.grad) <= 2 * error(eagers.grad, truth.grad) + 1e-6, \
+            (error(mine.grad, truth.grad), error(eagers.grad, truth.grad))
