@@ -4,6 +4,7 @@
     loss = torch.compile(ppo_loss, backend=graphpass.Backend(chunk_size=1024, report=True))
 """
 
+from graphpass import integrations
 from graphpass.backend import Backend
 from graphpass.config import Config
 from graphpass.inspection import explain
@@ -11,3 +12,7 @@ from graphpass.records import Candidate, GraphRecord, OutputRecord, SiteRecord
 
 __all__ = ["Backend", "Config", "explain", "GraphRecord", "SiteRecord", "OutputRecord", "Candidate"]
 __version__ = "0.1.0"
+
+# Library code Dynamo cannot trace as written (megatron-core's tensor-parallel linear layer) gets
+# traceable stand-ins, for traced code only, once that library is imported.
+integrations.register_available()

@@ -277,3 +277,65 @@ def torch_dispatch_mode():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+# ---- Dynamo stand-ins and graph breaks (graphpass/integrations, passes) -----------------------------
+def graph_break(msg: str) -> None:
+    """A graph break in traced code, with `msg` as its reason (a no-op outside tracing)."""
+    torch._dynamo.graph_break(msg=msg)
+
+
+def functional_all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Every rank's `x` concatenated along dim 0, as a traceable functional collective (its backward
+    a reduce-scatter)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_gather_single(x, 0, group_name)
+
+
+def functional_reduce_scatter(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This rank's block of dim 0 of the sum of every rank's `x`, as a traceable functional collective."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.reduce_scatter_single(x, "sum", 0, group_name)
+
+
+def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of every rank's `x`, as a traceable functional collective."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", group_name)
+
+
+def graph_break_before_this_graph() -> tuple[str, str | None] | None:
+    """Called while Dynamo compiles a graph (in a backend): where and why Dynamo broke the graph it
+    resumed after to make this one, as ("file.py:LINE" of the innermost frame, the reason's first
+    line or None when Dynamo kept none), or None when this graph starts at the compiled function's
+    entry. Dynamo names a resumption `torch_dynamo_resume_in_<fn>_at_<line>`, its first line the
+    break's line in the frame; its break reasons (`graph_break_reasons`) hold each break's stack."""
+    import os
+
+    from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX
+    from torch._dynamo.utils import graph_break_reasons
+    from torch._guards import TracingContext
+
+    graphpass_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    context = TracingContext.try_get()
+    code = context.traced_code[0] if context is not None and context.traced_code else None
+    if code is None or not code.co_name.startswith(TORCH_DYNAMO_RESUME_IN_PREFIX):
+        return None
+    for reason in reversed(graph_break_reasons):
+        stack = reason.user_stack
+        if stack and stack[0].filename == code.co_filename and stack[0].lineno == code.co_firstlineno:
+            # The innermost frame outside graphpass: a break in its stand-ins is at their caller's line.
+            inner = next((f for f in reversed(stack) if not f.filename.startswith(graphpass_dir)), stack[-1])
+            return f"{os.path.basename(inner.filename)}:{inner.lineno}", _first_line(reason.reason)
+    return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}", None
+
+
+def _first_line(reason: str) -> str:
+    """A Dynamo break reason's first line, with a user's `graph_break(msg=...)` message."""
+    lines = reason.strip().splitlines()
+    message = next((line.split("Message: ", 1)[1] for line in lines if "User-inserted graph break. Message: " in line),
+                   None)
+    return lines[0] if message in (None, "None") else message

@@ -75,6 +75,10 @@ class SiteRecord:
     bias's). `shape` is still the logits' shape."""
     hidden_shape: tuple | None = None
     """Shape of the hidden states an lm_head site reads; None otherwise."""
+    lm_head_reason: str | None = None
+    """Why the op reads the logits instead of computing them from the hidden states: they come
+    from outside the graph (its input, e.g. after a Dynamo graph break, named), or another op
+    computes them, or their matmul cannot be taken in. None when `lm_head` (or not recorded)."""
     forward_workspace_bytes: int | None = None
     """Transient bytes of the forward, when they differ from `workspace_bytes` (which is then the
     backward's); None: the same."""

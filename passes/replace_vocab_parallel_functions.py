@@ -31,7 +31,7 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
-from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, other_readers
+from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of
@@ -100,6 +100,7 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
         if why is not None:
             record.rejected.append(Candidate(source_of(logits), f"lm_head not fused into the vocab-parallel op at "
                                                                 f"{site.source}: {why}"))
+        site.lm_head_reason = why or not_computed_here(logits)
         return
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     with graph.inserting_before(op):
@@ -333,21 +334,31 @@ def _summing_grads(node, results: dict, with_entropy: bool, group_name: str) -> 
 
 
 def _absorb_scaling(logits: torch.fx.Node, temperature: float):
-    """(logits, temperature) with an exact upcast or temperature division moved into the op.
+    """(logits, temperature) with an exact copy, upcast or temperature division moved into the op.
 
-    `x.float()` of bf16/fp16 `x` is exact and the op upcasts per chunk: it reads `x`. `x / t` of
-    compute-dtype `x` by a constant is what the op computes per chunk: it reads `x` and divides.
-    Only when that node has no other reader (else it exists anyway)."""
-    while len(logits.users) == 1:
+    `x.clone()` holds the values of `x` and the op writes into neither (megatron-core's Function
+    overwrites its input, so callers hand it a clone): it reads `x`. `x.float()` of bf16/fp16 `x`
+    is exact and the op upcasts per chunk: it reads `x`. `x / t` of compute-dtype `x` by a constant
+    is what the op computes per chunk: it reads `x` and divides. Only when that node has no other
+    reader but metadata checks (erased with it; else it exists anyway)."""
+    while True:
+        checks = [u for u in logits.users if u.op == "call_function" and u.target in METADATA_CHECKS]
+        if len(logits.users) - len(checks) != 1:
+            break
         val, source = logits.meta["val"], logits.args[0] if logits.args else None
-        if logits.target is aten._to_copy.default and set(logits.kwargs) <= {"dtype", "device", "layout"} \
+        if logits.target is aten.clone.default and set(logits.kwargs) <= {"memory_format"}:
+            new = source, temperature
+        elif logits.target is aten._to_copy.default and set(logits.kwargs) <= {"dtype", "device", "layout"} \
                 and logits.kwargs.get("dtype") == torch.float32 and source.meta["val"].dtype in (torch.bfloat16, torch.float16) \
                 and source.meta["val"].device == val.device:
-            logits = source
+            new = source, temperature
         elif logits.target in (aten.div.Tensor, aten.div.Scalar) and not logits.kwargs and \
                 isinstance(logits.args[1], float) and logits.args[1] > 0 and \
                 val.dtype in (torch.float32, torch.float64) and source.meta["val"].dtype == val.dtype:
-            logits, temperature = source, temperature * logits.args[1]
+            new = source, temperature * logits.args[1]
         else:
             break
+        for check in checks:
+            logits.graph.erase_node(check)
+        logits, temperature = new
     return logits, temperature

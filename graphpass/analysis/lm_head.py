@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from graphpass import _torch_api
 from graphpass._torch_api import known_equal
 from graphpass.analysis import rowlocal
 
@@ -151,6 +152,30 @@ def other_readers(logits: torch.fx.Node, inside: set, reader: str = "the region"
 
         return [], f"its logits are also read outside {reader} ({_name(user)} at {source_of(user)})"
     return checks, None
+
+
+#: Ops whose output holds the same logits as their input (the rows reshaped, a copy, a cast).
+_SAME_LOGITS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                aten.alias.default, aten._to_copy.default}
+
+
+def not_computed_here(logits: torch.fx.Node) -> str:
+    """Why `logits`, which are no matmul `match_matmul` takes, cannot be computed by the op from the
+    hidden states: they come from outside the graph (a graph input: the compiled function's, or a
+    value Dynamo carried over a graph break, named with its reason), or from another op."""
+    origin = logits
+    while origin.op == "call_function" and origin.target in _SAME_LOGITS and isinstance(origin.args[0], torch.fx.Node):
+        origin = origin.args[0]
+    if origin.op != "placeholder":
+        from graphpass.analysis.regions import source_of
+
+        return f"its logits are computed by {_name(origin)} at {source_of(origin)}, not by a matmul of hidden states"
+    where = _torch_api.graph_break_before_this_graph()
+    if where is None:
+        outside = "an input of the compiled function"
+    else:
+        outside = f"Dynamo broke the graph at {where[0]}" + (f": {where[1]}" if where[1] else "")
+    return f"the logits come from outside this graph ({outside}); compile a function that computes them from the hidden states"
 
 
 def _name(node) -> str:

@@ -1,0 +1,320 @@
+"""megatron-core's own output layer compiled with graphpass: its real `ColumnParallelLinear` at
+TP=2 on gloo ranks (`use_cpu_initialization`, no gradient accumulation fusion; also sequence
+parallel), then a vocab-parallel loss: a slime-style Function, or megatron-core's
+`vocab_parallel_cross_entropy` on a clone of the logits.
+
+graphpass's stand-in for megatron-core's linear Function (`graphpass.integrations.megatron`) lets
+Dynamo trace the layer whole, so the vocab-parallel op takes in its matmul: an lm_head site, the
+`[s, b, v/tp]` logits and their gradient never stored. Checked per case: the loss and the
+gradients of the hidden states, the weight shard and the bias shard against eager megatron-core
+(the same function, uncompiled) and against one device in float64; the collectives each rank
+issued (the profiler's gloo events, forward and backward), the same on every rank, also when the
+ranks differ in which inputs require grad. Where the logits are also returned, or come from
+outside the compiled graph, the matmul stays outside and the site says why. All cases run in one
+spawn (`_spawned`); the registration itself is checked in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import unittest.mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphpass
+from bench.ranks import run_ranks
+from bench.tp import _profiled
+from bench.tp_losses import slime_style_logprob_entropy
+from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)
+
+S, B, H, WIDTH, WORLD = 8, 2, 16, 20, 2  # sequence, batch, hidden size, V/tp, tp
+TEMPERATURE = 0.7
+
+# (loss, dtype, sequence_parallel, bias, variant, inner compiler); variant: "" plain, "returned" (the
+# logits are also an output: not fused), "frozen" (the weight does not require grad), "differing"
+# (rank 1's hidden states do not require grad).
+CASES = [
+    ("slime", torch.float64, False, False, "", "aot_eager"),
+    ("slime", torch.float64, True, True, "", "aot_eager"),
+    ("megatron", torch.float32, False, True, "", "inductor"),
+    ("megatron", torch.float32, True, False, "", "aot_eager"),
+    ("slime", torch.float32, False, True, "differing", "aot_eager"),
+    ("slime", torch.float64, True, False, "frozen", "aot_eager"),
+    ("slime", torch.float64, False, False, "returned", "aot_eager"),
+]
+
+
+def _case_id(case):
+    loss, dtype, sp, bias, variant, inner = case
+    return "-".join(filter(None, [loss, str(dtype).removeprefix("torch."), "sp" if sp else "", "bias" if bias else "",
+                                  variant, inner]))
+
+
+def _loss(loss, logits, target, old, adv, mask):
+    """The PPO loss of megatron's `[s, b, v/tp]` logits: per-token log-probs (and slime's entropy)."""
+    if loss == "megatron":
+        from megatron.core import tensor_parallel
+
+        logprob, entropy = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), target), None
+    else:
+        logprob, entropy = slime_style_logprob_entropy(logits.view(-1, logits.shape[-1]), target.view(-1),
+                                                       with_entropy=True, temperature=TEMPERATURE)
+    return _masked_ppo(logprob.reshape(-1), entropy, old, adv, mask)
+
+
+def _data(dtype):
+    g = torch.Generator().manual_seed(0)
+    vocab = WORLD * WIDTH
+    hidden = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, H, generator=g, dtype=torch.float64) / H ** 0.5 * 2
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5
+    target = torch.randint(0, vocab, (S, B), generator=g)
+    target[:2] = torch.arange(4).view(2, 2)  # rank 0 owns these
+    old = -torch.rand(S * B, generator=g, dtype=torch.float64) * 3
+    adv = torch.randn(S * B, generator=g, dtype=torch.float64)
+    mask = torch.rand(S * B, generator=g) < 0.7
+    return hidden, weight, bias, target, old.to(dtype), adv.to(dtype), mask
+
+
+def _reference(loss, data, with_bias):
+    """(loss, hidden.grad [S, B, H], weight.grad [V, H], bias.grad [V]) on one device in float64."""
+    hidden, weight, bias, target, old, adv, mask = data
+    hidden, weight, bias = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
+    logits = hidden @ weight.t() + (bias if with_bias else 0)
+    logp = (logits / (TEMPERATURE if loss == "slime" else 1.0)).log_softmax(-1)
+    logprob = logp.gather(-1, target[..., None]).reshape(-1)
+    entropy = -(logp.exp() * logp).sum(-1).reshape(-1) if loss == "slime" else None
+    value = _masked_ppo(logprob, entropy, old.double(), adv.double(), mask)
+    value.backward()
+    return value.detach(), hidden.grad, weight.grad, bias.grad
+
+
+@contextlib.contextmanager
+def _megatron_on_the_cpu():
+    """Eager megatron-core under sequence parallelism allocates its gather buffers on
+    `torch.cuda.current_device()`: the CPU here (the reference only; compiled code never asks)."""
+    with unittest.mock.patch("torch.cuda.current_device", lambda: torch.device("cpu")):
+        yield
+
+
+def _layer(dtype, sequence_parallel, with_bias, weight, bias, rank):
+    from megatron.core import tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    config = ModelParallelConfig(tensor_model_parallel_size=WORLD, sequence_parallel=sequence_parallel,
+                                 use_cpu_initialization=True, gradient_accumulation_fusion=False, params_dtype=dtype)
+    layer = tensor_parallel.ColumnParallelLinear(H, WORLD * WIDTH, config=config, init_method=torch.nn.init.zeros_,
+                                                 bias=with_bias, gather_output=False)
+    shard = slice(rank * WIDTH, (rank + 1) * WIDTH)
+    with torch.no_grad():
+        layer.weight.copy_(weight[shard])
+        if with_bias:
+            layer.bias.copy_(bias[shard])
+    return layer
+
+
+def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
+    data = _data(dtype)
+    hidden, weight, bias, target, old, adv, mask = data
+    layer = _layer(dtype, sequence_parallel, with_bias, weight, bias, rank)
+    if variant == "frozen":
+        layer.weight.requires_grad_(False)
+    rows = slice(rank * S // WORLD, (rank + 1) * S // WORLD) if sequence_parallel else slice(None)
+    local = hidden[rows].to(dtype)
+
+    def head_and_loss(h, target, old, adv, mask):
+        logits, _ = layer(h)
+        value = _loss(loss, logits, target, old, adv, mask)
+        return (value, logits) if variant == "returned" else value
+
+    def run(fn, requires_grad=True):
+        """(loss, [hidden, weight, bias] gradients, the step's gloo collectives) of one forward + backward."""
+        h = local.clone().requires_grad_(requires_grad)
+        for p in layer.parameters():
+            p.grad = None
+        state = {}
+
+        def step():
+            out = fn(h, target, old, adv, mask)
+            state["loss"] = out[0] if variant == "returned" else out
+            state["loss"].backward()
+
+        issued = _profiled(step)
+        params = [layer.weight] + ([layer.bias] if with_bias else [])
+        return state["loss"].detach(), [h.grad] + [p.grad for p in params], issued
+
+    requires_grad = not (variant == "differing" and rank == 1)
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner=inner)
+    value, grads, issued = run(torch.compile(head_and_loss, backend=backend), requires_grad)
+    with _megatron_on_the_cpu():
+        eager_value, eager_grads, eager_issued = run(head_and_loss, requires_grad)
+        eager_function = layer(local.clone().requires_grad_())[0].grad_fn.name()
+    ref_value, ref_h, ref_w, ref_b = _reference(loss, data, with_bias)
+    shard = slice(rank * WIDTH, (rank + 1) * WIDTH)
+    ref_grads = [ref_h[rows] if requires_grad else None, None if variant == "frozen" else ref_w[shard]]
+    ref_grads += [ref_b[shard]] if with_bias else []
+
+    return dict(
+        vs_ref=_max_err(value, grads, ref_value, ref_grads), vs_eager=_max_err(value, grads, eager_value, eager_grads),
+        eager_vs_ref=_max_err(eager_value, eager_grads, ref_value, ref_grads), eager_function=eager_function,
+        grad_dtypes=[g.dtype for g in grads if g is not None],
+        sites=[dict(kind=s.kind, lm_head=s.lm_head, hidden_shape=s.hidden_shape, shape=s.shape, tp_size=s.tp_size,
+                    lm_head_reason=s.lm_head_reason) for r in backend.records for s in r.sites],
+        rejected=[c.reason for r in backend.records for c in r.rejected],
+        fallbacks=[r.fallback_reason for r in backend.records if r.fallback_reason], graphs=len(backend.records),
+        issued=issued, eager_issued=eager_issued)
+
+
+def _max_err(value, grads, ref_value, ref_grads) -> float:
+    """The largest error of the loss and of every gradient; the same gradients must be None."""
+    assert [g is None for g in grads] == [g is None for g in ref_grads], (grads, ref_grads)
+    return max([_err(value, ref_value)] + [_err(a, b) for a, b in zip(grads, ref_grads) if a is not None])
+
+
+def _outside(rank, spelling):
+    """The site of the loss alone, its logits from outside its graph: given as an input, or carried
+    over a graph break after the output layer."""
+    hidden, weight, bias, target, old, adv, mask = _data(torch.float32)
+    layer = _layer(torch.float32, False, False, weight, bias, rank)
+
+    def after_a_break(h, target, old, adv, mask):
+        logits, _ = layer(h)
+        torch._dynamo.graph_break()
+        return _loss("slime", logits, target, old, adv, mask)
+
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner="aot_eager")
+    h = hidden.float().requires_grad_()
+    if spelling == "input":
+        fn = torch.compile(lambda logits, *rest: _loss("slime", logits, *rest), backend=backend)
+        fn(layer(h)[0], target, old, adv, mask).backward()
+    else:
+        torch.compile(after_a_break, backend=backend)(h, target, old, adv, mask).backward()
+    return [(s.lm_head, s.lm_head_reason) for r in backend.records for s in r.sites]
+
+
+def _ranks(rank, world):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        return dict(cases=[_case(rank, *case) for case in CASES],
+                    outside={spelling: _outside(rank, spelling) for spelling in ("input", "break")})
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+_CACHE: list = []
+
+
+def _spawned():
+    """The per-rank results of `_ranks`, spawned once per module (a failure is kept too)."""
+    pytest.importorskip("megatron.core")
+    if not _CACHE:
+        try:
+            _CACHE.append(run_ranks(_ranks, WORLD, timeout_s=300))
+        except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
+            _CACHE.append(error)
+    if isinstance(_CACHE[0], Exception):
+        raise _CACHE[0]
+    return _CACHE[0]
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_loss_and_every_gradient_match_eager_megatron_and_one_device(index):
+    loss, dtype, sp, with_bias, variant, inner = CASES[index]
+    for rank, result in enumerate(_spawned()):
+        r = result["cases"][index]
+        where = (_case_id(CASES[index]), rank, r)
+        assert r["fallbacks"] == [], where
+        # megatron-core's cross-entropy computes in fp32 whatever its input: float64 parity is the slime loss's.
+        tol = TOLERANCE[dtype]
+        assert r["vs_ref"] <= tol and r["vs_eager"] <= tol and r["eager_vs_ref"] <= tol, where
+        assert set(r["grad_dtypes"]) == {dtype}, where
+        # Eager megatron-core runs its own Function (the stand-in is for traced code only).
+        assert r["eager_function"] == ("LinearWithFrozenWeightBackward" if variant == "frozen" else
+                                       "LinearWithGradAccumulationAndAsyncCommunicationBackward"), where
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_the_output_layer_is_fused_into_one_graph_with_the_loss(index):
+    loss, dtype, sp, with_bias, variant, inner = CASES[index]
+    for rank, result in enumerate(_spawned()):
+        r = result["cases"][index]
+        where = (_case_id(CASES[index]), rank, r)
+        assert r["graphs"] == 1, where  # no graph break in megatron-core's layer
+        (site,) = r["sites"]
+        assert site["tp_size"] == WORLD and site["shape"][-1] == WIDTH, where
+        assert site["kind"] == ("-logprob" if loss == "megatron" else "logprob+entropy"), where
+        if variant == "returned":
+            assert not site["lm_head"] and site["lm_head_reason"] == "its logits are also an output of the graph", where
+            assert any(why.startswith("lm_head not fused") and "output of the graph" in why for why in r["rejected"])
+            continue
+        assert site["lm_head"] and site["lm_head_reason"] is None and r["rejected"] == [], where
+        # Under sequence parallelism, the gathered rows; the slime-style Function reads them as [s * b, h].
+        assert site["hidden_shape"] == ((S, B, H) if loss == "megatron" else (S * B, H)), where
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_every_rank_issues_the_same_collectives(index):
+    loss, dtype, sp, with_bias, variant, inner = CASES[index]
+    per_rank = [result["cases"][index] for result in _spawned()]
+    where = (_case_id(CASES[index]), [r["issued"] for r in per_rank])
+    assert all(r["issued"] == per_rank[0]["issued"] for r in per_rank), where
+    # Forward: the hidden rows' all-gather (sequence parallel), the op's one all-gather of row
+    # statistics; backward: the hidden states' gradient reduce-scattered (sequence parallel; gloo
+    # runs it as an all-reduce) or all-reduced, as megatron-core's Function does, whichever inputs
+    # require grad.
+    assert per_rank[0]["issued"] == (["all_gather"] if sp else []) + ["all_gather", "all_reduce"], where
+
+
+@pytest.mark.parametrize("spelling", ["input", "break"])
+def test_logits_from_outside_the_graph_say_why_they_are_not_fused(spelling):
+    for rank, result in enumerate(_spawned()):
+        sites = result["outside"][spelling]
+        ((lm_head, why),) = sites
+        where = (spelling, rank, sites)
+        assert not lm_head and why.startswith("the logits come from outside this graph ("), where
+        assert why.endswith("); compile a function that computes them from the hidden states"), where
+        if spelling == "input":
+            assert "(an input of the compiled function)" in why, where
+        else:
+            assert f"Dynamo broke the graph at {__name__.rsplit('.', 1)[-1]}.py:" in why, where
+            assert "graph_break()" in why, where
+
+
+# ---- one process ---------------------------------------------------------------------------------
+def test_registration_is_idempotent_and_leaves_megatron_core_as_it_is():
+    pytest.importorskip("megatron.core")
+    from megatron.core.tensor_parallel import layers
+
+    from graphpass.integrations import megatron
+
+    originals = (layers.linear_with_grad_accumulation_and_async_allreduce, layers.linear_with_frozen_weight)
+    assert megatron.register() and megatron.register()
+    assert (layers.linear_with_grad_accumulation_and_async_allreduce, layers.linear_with_frozen_weight) == originals
+
+
+def test_a_library_imported_later_gets_its_stand_ins_once(tmp_path, monkeypatch):
+    from graphpass import integrations
+
+    (tmp_path / "late_library").mkdir()
+    (tmp_path / "late_library" / "__init__.py").write_text("")
+    (tmp_path / "late_library" / "layers.py").write_text("VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    integrations._when_imported("late_library.layers", lambda module: seen.append(module.VALUE))
+    integrations._when_imported("late_library.layers", lambda module: seen.append("twice"))
+    assert seen == []
+    import late_library.layers  # noqa: F401
+
+    assert seen == [3] and not any(isinstance(f, integrations._AfterImport) for f in sys.meta_path)
+    integrations._when_imported("late_library.layers", lambda module: seen.append(module.VALUE * 2))
+    assert seen == [3, 6]
+    monkeypatch.delitem(sys.modules, "late_library.layers")
+    monkeypatch.delitem(sys.modules, "late_library")
