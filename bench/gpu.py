@@ -241,7 +241,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.device = "cpu" if args.cpu_smoke else "cuda"
     args.compiler = args.compiler or ("aot_eager" if args.cpu_smoke else "inductor")
-    args.budget_s = args.budget_s or (600.0 if args.cpu_smoke else 420.0)
+    if args.budget_s is None:
+        args.budget_s = 600.0 if args.cpu_smoke else 420.0
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="bench_gpu_smoke_")) / "gpu.json" if args.cpu_smoke else RESULTS
     return args

@@ -1,0 +1,47 @@
+"""bench.gpu's CPU smoke (tiny shapes, aot_eager): every method runs or says why not, parity is
+checked against float64, a spent budget and an OOM are recorded, the JSON is written."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from bench import gpu, lm_head
+
+
+def test_cpu_smoke_measures_every_method_of_both_kinds(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--cpu-smoke", "--cases", "lm_head_ce", "logits_ppo", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["cpu_smoke"] and data["compiler"] == "aot_eager"
+    rows = {(r["case"], r["method"]): r for r in data["results"]}
+    assert set(rows) == {(c, m) for c in ("lm_head_ce", "logits_ppo") for m in gpu.METHODS}
+    for case in ("lm_head_ce", "logits_ppo"):
+        for method in ("eager", "inductor", "graphpass"):
+            r = rows[case, method]
+            assert r["status"] == "ok" and r["parity_ok"] and r["peak_bytes"] >= 0 and r["time_s"] > 0, r
+            assert len(r["times"]) >= 2 and r["first_call_s"] is not None  # the warm-up is timed apart
+        assert gpu.graphpass_note(rows[case, "graphpass"])[1] is False
+    assert {"hidden_grad_rel", "weight_grad_rel", "loss_rel"} <= set(rows["lm_head_ce", "eager"])
+    assert {"logits_grad_rel", "loss_rel"} <= set(rows["logits_ppo", "eager"])
+    assert rows["logits_ppo", "liger"]["status"] == "n/a"
+    assert rows["lm_head_ce", "cce"]["status"] in ("ok", "unavailable")  # CCE needs Triton here
+    assert "graphpass" in gpu.table(data["results"])
+
+
+def test_a_spent_budget_skips_the_rest_and_still_writes(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--cpu-smoke", "--cases", "gemma2_ce", "--methods", "eager", "--budget-s", "0",
+                     "--out", str(out)]) == 1
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "skipped" and "--budget-s" in row["note"]
+
+
+def test_an_out_of_memory_error_is_recorded_as_oom(monkeypatch):
+    def out_of_memory(spec):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 93.00 GiB")
+
+    monkeypatch.setattr(lm_head, "measure", out_of_memory)
+    result = gpu.measure(lm_head.HeadSpec("ce", "eager", 8, 4, 16, "bf16"))
+    assert result["status"] == "OOM" and "Tried to allocate" in result["note"]
