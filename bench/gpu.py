@@ -103,8 +103,11 @@ def measure(spec) -> dict:
 
     try:
         return (lm_head.measure if isinstance(spec, lm_head.HeadSpec) else harness.measure)(spec)
-    except torch.OutOfMemoryError as exc:
-        note = f"{exc}".splitlines()[0][:300]
+    except Exception as exc:
+        # Raised inside a compiled call, the allocator's error can arrive wrapped by Dynamo.
+        if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
+            raise
+        note = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     # Outside the except block: the traceback (and the tensors its frames hold) is gone.
     gc.collect()
     if torch.cuda.is_available():
@@ -224,6 +227,21 @@ def failures(results: list[dict], smoke: bool) -> list[dict]:
             or graphpass_note(r)[1]]
 
 
+def versions() -> dict:
+    """Versions of torch (and its CUDA) and of the libraries compared, where installed."""
+    import importlib.metadata
+
+    import torch
+
+    out = dict(torch=torch.__version__, cuda=torch.version.cuda)
+    for name in ("triton", "liger-kernel", "cut-cross-entropy"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true",
@@ -231,7 +249,7 @@ def parse_args(argv=None):
     p.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock seconds for all workers (default 420; smoke 600)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker before it is killed")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per worker before it is killed")
     p.add_argument("--steps", type=int, default=5, help="most timed steps per method (after the warm-up)")
     p.add_argument("--step-budget", type=float, default=10.0, help="seconds of timed steps per method")
     p.add_argument("--compiler", default=None, help="the inductor method's backend and graphpass's inner compiler "
@@ -256,12 +274,12 @@ def main(argv=None) -> int:
         print("bench.gpu: no CUDA device here (python -m bench.gpu --cpu-smoke runs the same code on the CPU)")
         return 2
     machine = harness.machine_description()
-    print(f"bench.gpu: {machine}; budget {args.budget_s:.0f} s; -> {args.out}", flush=True)
-    header = dict(machine=machine, torch=torch.__version__, **harness.provenance(),
+    header = dict(machine=machine, versions=versions(), **harness.provenance(),
                   command=" ".join(["python -m bench.gpu", *(argv if argv is not None else sys.argv[1:])]),
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   cpu_smoke=args.cpu_smoke, compiler=args.compiler, budget_s=args.budget_s,
                   parity_tolerance=PARITY_TOLERANCE)
+    print(f"bench.gpu: {machine}; {header['versions']}; budget {args.budget_s:.0f} s; -> {args.out}", flush=True)
     t0 = time.monotonic()
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
