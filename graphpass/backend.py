@@ -9,7 +9,7 @@ import torch
 from graphpass import _torch_api
 from graphpass.config import Config
 from graphpass.lint import lint
-from graphpass.pipeline import rewrite_graph
+from graphpass.pipeline import EagerRaises, rewrite_graph
 from graphpass.records import GraphRecord
 from graphpass.report import print_graph_report, reporting_enabled
 
@@ -37,6 +37,11 @@ class Backend:
         record.warnings = lint(gm)
         try:
             result = rewrite_graph(gm, example_inputs, self.config, record)
+        except EagerRaises as e:
+            # Run as eager does, op by op, so that torch raises its own error at the call; an inner
+            # compiler might compute a value (inductor does, for a softmax of integers).
+            record.fallback_reason = str(e)
+            return gm.forward
         except Exception as e:
             return self._fall_back(gm, example_inputs, record, f"rewrite failed: {_describe(e)}", e)
         if reporting_enabled(self.config):

@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from graphpass.analysis.catalogue import non_float_normaliser
+from graphpass.analysis.regions import source_of
 from graphpass.capture import capture
 from graphpass.config import Config
 from graphpass.records import GraphRecord
@@ -17,6 +19,11 @@ log = logging.getLogger("graphpass")
 
 class PassFailed(RuntimeError):
     """A pass raised; the message names the pass."""
+
+
+class EagerRaises(RuntimeError):
+    """The graph would raise in eager (e.g. a softmax of integer logits), where a compiler may
+    return a value: the backend runs it eagerly, so that torch raises its own error."""
 
 
 @dataclasses.dataclass
@@ -36,6 +43,11 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
     """
     captured = capture(gm, example_inputs)
     before, fakes = captured.gm, captured.fakes
+    refused = non_float_normaliser(before.graph)
+    if refused is not None:
+        val = refused.args[0].meta["val"]
+        raise EagerRaises(f"{refused.target.__name__} of {str(val.dtype).removeprefix('torch.')} values "
+                          f"at {source_of(refused)}: eager raises, so the graph runs eagerly")
     if on_stage:
         on_stage("captured", "capture", before)
     after = _copy(before)  # `before` stays intact for reports and the memory model

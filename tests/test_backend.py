@@ -240,3 +240,25 @@ def test_disabling_the_rewrite_pass_runs_the_graph_unchanged():
     assert backend.records[0].passes_run == ["sink_row_slices_pass", "replace_vocab_parallel_functions_pass",
                                              "fold_row_loops_pass", "tag_grad_flow_pass",
                                              "localize_cp_reductions_pass"]
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("loss", [
+    lambda x, t: -torch.log_softmax(x, -1).gather(-1, t[:, None]).sum(),
+    lambda x, t: torch.nn.functional.cross_entropy(x, t),
+    lambda x, t: -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(),
+], ids=["log_softmax", "cross_entropy", "entropy"])
+def test_non_float_logits_raise_as_eager_does(loss, dtype, inner):
+    """Inductor computes a softmax of integers; eager refuses it, and so does graphpass."""
+    logits = torch.randint(0, 2 if dtype == torch.bool else 5, (16, 32)).to(dtype)
+    targets = torch.randint(0, 32, (16,))
+    with pytest.raises(Exception) as eager:
+        loss(logits, targets)
+    backend = graphpass.Backend(inner=inner)
+    with pytest.raises(Exception) as compiled:
+        torch.compile(loss, backend=backend)(logits, targets)
+    assert backend.records or dtype == torch.bool  # Dynamo itself refuses bool logits, before any backend
+    if backend.records:
+        assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)
+        assert "eager raises" in backend.records[0].fallback_reason

@@ -90,6 +90,17 @@ BLOCKS_GRAD = {
 MULTIPLIES = {aten.mul.Tensor, aten.mul.Scalar}
 
 
+def non_float_normaliser(graph: torch.fx.Graph):
+    """A normaliser (softmax, log-sum-exp, a loss) of integer or bool values, which eager refuses
+    and a compiler may well compute: the first such node, or None."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in NORMALISERS and node.args:
+            val = getattr(node.args[0], "meta", {}).get("val")
+            if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+                return node
+    return None
+
+
 def is_deterministic_pointwise(target) -> bool:
     """An ATen op tagged pointwise that draws no random numbers (so it may be moved or batched)."""
     return (is_aten_overload(target) and torch.Tag.pointwise in target.tags
