@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import sys
@@ -83,16 +84,19 @@ PARITY_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 # Less budget than this left: do not start another worker (CUDA start, inputs and a compile).
 MIN_WORKER_S = 30.0
 FAILED = ("error", "timeout", "OOM", "skipped")
+PACKAGES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
 
 def spec_for(case: Case, method: str, args):
-    """The worker's spec, or a string saying why `method` does not apply to `case`."""
+    """The worker's spec, or a string saying why `method` cannot run on `case` here."""
     common = dict(device=args.device, steps=args.steps, min_steps=2, time_budget_s=args.step_budget, warmup=True)
+    if method in PACKAGES and case.kind == "logits":
+        return f"{method} fuses the lm_head: it takes hidden states and W, not logits"
+    if method in PACKAGES and importlib.util.find_spec(PACKAGES[method]) is None:
+        return f"{PACKAGES[method]} is not installed"
     if case.kind == "lm_head":
         return lm_head.HeadSpec(case.workload, method, case.T, case.H, case.V, case.dtype, inner=args.compiler,
                                 **common)
-    if method in lm_head.LIBRARY_METHODS:
-        return f"{method} fuses the lm_head: it takes hidden states and W, not logits"
     return harness.Spec(case.workload, method, case.T, case.V, case.dtype, sol=args.sol, compiler=args.compiler,
                         reference_dtype="fp64", **common)
 
@@ -162,7 +166,7 @@ def run(args, write) -> list[dict]:
         try:
             spec = spec_for(case, method, args)
             if isinstance(spec, str):
-                row.update(status="n/a", note=spec)
+                row.update(status="unavailable" if spec.endswith("not installed") else "n/a", note=spec)
             elif left < MIN_WORKER_S:
                 row.update(status="skipped", note=f"--budget-s {args.budget_s:g} spent ({left:.0f} s left)")
             else:
@@ -186,7 +190,7 @@ def _line(r: dict) -> str:
     label = f"{r['case']} {shape} {r['dtype']} {r['method']}"
     if r["status"] != "ok":
         return f"{label}: {r['status']}: {str(r.get('note', ''))[:300]}"
-    text = (f"{label}: {r['peak_bytes'] / harness.GiB:.2f} GiB above the inputs = {r['ratio']:.2f} x floor, "
+    text = (f"{label}: {r['peak_bytes'] / 2**20:,.0f} MiB above the inputs = {r['ratio']:.2f} x floor, "
             f"{r['time_s'] * 1e3:.1f} ms/step (first call {r['first_call_s']:.1f} s)")
     if "parity" in r:
         text += f", |rel| {r['parity']:.1e}{'' if r['parity_ok'] else ' PARITY OFF'}"
@@ -256,6 +260,7 @@ def parse_args(argv=None):
                                                     "(default inductor; smoke aot_eager)")
     p.add_argument("--sol", action="store_true", help="logits case: time the speed of light after each step (x SoL)")
     p.add_argument("--out", type=Path, default=None, help=f"JSON (default {RESULTS}; smoke: a temporary file)")
+    p.add_argument("--commit", default=None, help="the commit measured, recorded where git cannot say (a copied tree)")
     args = p.parse_args(argv)
     args.device = "cpu" if args.cpu_smoke else "cuda"
     args.compiler = args.compiler or ("aot_eager" if args.cpu_smoke else "inductor")
@@ -274,7 +279,9 @@ def main(argv=None) -> int:
         print("bench.gpu: no CUDA device here (python -m bench.gpu --cpu-smoke runs the same code on the CPU)")
         return 2
     machine = harness.machine_description()
-    header = dict(machine=machine, versions=versions(), **harness.provenance(),
+    provenance = harness.provenance()
+    provenance["commit"] = args.commit or provenance["commit"]
+    header = dict(machine=machine, versions=versions(), **provenance,
                   command=" ".join(["python -m bench.gpu", *(argv if argv is not None else sys.argv[1:])]),
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   cpu_smoke=args.cpu_smoke, compiler=args.compiler, budget_s=args.budget_s,
