@@ -45,3 +45,35 @@ def test_an_out_of_memory_error_is_recorded_as_oom(monkeypatch):
     monkeypatch.setattr(lm_head, "measure", out_of_memory)
     result = gpu.measure(lm_head.HeadSpec("ce", "eager", 8, 4, 16, "bf16"))
     assert result["status"] == "OOM" and "Tried to allocate" in result["note"]
+
+
+# The fork server's imports, with torch.cuda pretending a GPU: every function that would reach the
+# CUDA driver records its call (the workers are forked from that server, so none may run there).
+_PROBE = """
+import sys
+import torch
+calls = []
+def probe(name, value):
+    def fn(*args, **kwargs):
+        calls.append(name)
+        return value
+    return fn
+for name, value in dict(is_available=True, device_count=1, is_initialized=False, _lazy_init=None, init=None,
+                        get_device_properties=None, get_device_capability=(9, 0), get_device_name="GPU",
+                        current_device=0, set_device=None, synchronize=None, mem_get_info=(0, 0),
+                        is_bf16_supported=True, current_stream=None).items():
+    setattr(torch.cuda, name, probe(name, value))
+import bench.preload
+print([m for m in bench.preload.PRELOAD if m not in sys.modules], calls)  # nothing missing, no call
+"""
+
+
+def test_the_fork_server_never_touches_cuda():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] []", done.stdout
