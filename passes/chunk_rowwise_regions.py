@@ -46,7 +46,6 @@ class RegionRejected(Exception):
 def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Rewrite every row-local region of `gm` into a chunked op; fill `record.sites/rejected`."""
     _drop_metadata_checks(gm.graph)
-    _split_reduced_losses(gm.graph)
     regions, rejected = find_regions(gm)
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
@@ -135,7 +134,8 @@ def _with_loss(region: Region, loss: SummedLoss, order) -> Region:
     inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
     totals = set(loss.totals)
     escapes = [n for n in nodes if any(u not in inside and u not in totals for u in n.users)]
-    return Region(region.anchor, nodes, region.rows, loss.layouts, inputs, [*loss.summands, *escapes], loss.place)
+    return Region(region.anchor, nodes, region.rows, loss.layouts, inputs, [*loss.summands, *escapes], loss.place,
+                  region.detached)
 
 
 
@@ -146,52 +146,6 @@ def _drop_metadata_checks(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in METADATA_CHECKS and not node.users:
             graph.erase_node(node)
-
-
-_REDUCED_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
-_MEAN, _SUM = 1, 2  # torch's Reduction enum
-
-
-def _split_reduced_losses(graph: torch.fx.Graph) -> None:
-    """`cross_entropy(x, t)` (reduction 'mean' or 'sum', the default) becomes its per-token form
-    and the reduction: `sum(ce(x, t, reduction='none')) / count(t != ignore_index)`, so the
-    per-token loss is a row-local region like any other. Exactly what the reduced loss computes
-    when it has no class weights and no label smoothing (otherwise it stays as written); a
-    low-precision loss sums in fp32 and rounds once, as the reduced kernels do."""
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _REDUCED_LOSSES:
-            continue
-        args = rowlocal.normalized_args(node)
-        logits, target = args["self"], args["target"]
-        val, target_val = node.meta.get("val"), target.meta.get("val") if isinstance(target, torch.fx.Node) else None
-        if (args["reduction"] not in (_MEAN, _SUM) or args.get("weight") is not None
-                or args.get("label_smoothing", 0.0) != 0.0 or not isinstance(val, torch.Tensor)
-                or not isinstance(target_val, torch.Tensor) or target_val.is_floating_point()
-                or target_val.ndim < 1 or not isinstance(args["ignore_index"], int)):
-            continue
-        fake_mode = detect_fake_mode([val])
-        new = []
-
-        def call(target_op, *op_args, **kwargs):
-            out = fake_node(graph, fake_mode, target_op, op_args, kwargs)
-            for key in ("stack_trace", "graphpass.grad_flows"):
-                if key in node.meta:
-                    out.meta[key] = node.meta[key]
-            new.append(out)
-            return out
-
-        with graph.inserting_before(node):
-            kw = {k: args[k] for k in ("weight", "ignore_index", "label_smoothing") if k in args}
-            per_token = call(node.target, logits, target, kw.pop("weight"), 0, *kw.values())
-            low = val.dtype in (torch.bfloat16, torch.float16)
-            total = call(aten.sum.default, per_token, dtype=torch.float32) if low else call(aten.sum.default, per_token)
-            if args["reduction"] == _MEAN:
-                count = call(aten.sum.default, call(aten.ne.Scalar, target, args["ignore_index"]))
-                total = call(aten.div.Tensor, total, count)
-            if low:
-                total = call(aten._to_copy.default, total, dtype=val.dtype)
-        node.replace_all_uses_with(total)
-        graph.erase_node(node)
 
 
 def _lm_head(region: Region, modes, record) -> LmHead | None:
@@ -261,6 +215,8 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         raise RegionRejected("it reads no [rows, V] input")
     for node in region.nodes:
         env[node] = rowlocal.emit(graph, node, env, region.layouts)
+        if node in region.detached and isinstance(node.meta.get("val"), torch.Tensor):
+            env[node] = graph.call_function(aten.detach.default, (env[node],))  # computed under no_grad
     graph.output(tuple(env[o] for o in region.outputs))
     outputs = []
     for j, o in enumerate(region.outputs):
@@ -278,7 +234,8 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
     _validate(module, specs, outputs)
     wide = next(node for node, spec in zip(input_nodes, specs) if spec.role == WIDE)
     options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
-                   device=wide.meta["val"].device, index_checks=_index_checks(region, input_nodes))
+                   device=wide.meta["val"].device, index_checks=_index_checks(region, input_nodes),
+                   gradient_free=_gradient_free(region, input_nodes))
     if head is not None:
         position = input_nodes.index(head.logits)
         input_nodes[position] = head.hidden
@@ -296,6 +253,13 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         raise RegionRejected(f"its per-chunk forward+backward does not trace: {type(e).__name__}: {e}") from None
     # The registered program: one built earlier from the same content is the one the op runs.
     return chunked_op.program(chunked_op.register(program)), input_nodes
+
+
+def _gradient_free(region, input_nodes):
+    """Positions of the inputs the region reads only under no_grad: the op gives them no gradient."""
+    inside = set(region.nodes)
+    return [i for i, node in enumerate(input_nodes)
+            if all(u in region.detached for u in node.users if u in inside)]
 
 
 def _index_checks(region, input_nodes):
@@ -438,12 +402,30 @@ def _needs_grad(nodes) -> list[bool]:
             for n in nodes]
 
 
+def _reads_detached(node, region: Region) -> bool:
+    """Whether `node`, whose gradient is kept, reads (through the region) a value computed under no_grad."""
+    if not region.detached or node in region.detached or grad_flows(node) is not True:
+        return False
+    inside, todo, seen = set(region.nodes), [node], set()
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in region.detached:
+                return True
+            if a in inside and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
+
+
 def _site_record(region: Region, site: _Site) -> SiteRecord:
     """`region`: the region as found (its outputs name the site); `site`: what replaces it."""
-    from graphpass.analysis.recognize import label_output
+    from graphpass.analysis.recognize import ROWWISE, OutputLabel, label_output
 
     program, input_nodes, head, loss = site.program, site.input_nodes, site.head, site.loss
-    labels = [label_output(node) for node in region.outputs]
+    # A value computed with grad from one computed under no_grad (`-(p.detach() * logp).sum(-1)`)
+    # has a name's value but not its gradient: it is reported as plain row-wise math.
+    labels = [OutputLabel(ROWWISE) if _reads_detached(node, region) else label_output(node) for node in region.outputs]
     # What the region computes (with `loss`, before the op took in the loss math after it).
     outputs = [OutputRecord(label.kind, grad_flows(node) is not False, label.temperature)
                for node, label in zip(region.outputs, labels)]

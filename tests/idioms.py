@@ -326,7 +326,9 @@ IDIOMS: list[Idiom] = [
     # The op goes after the log-prob's last op, where grad is on; the entropy is forward-only.
     Idiom("entropy_no_grad_block_last", entropy_no_grad_block_last, ("entropy+logprob",),
           alternatives=(SEPARATE,)),
-    Idiom("no_grad_probs_weight_log_probs", no_grad_probs_weight_log_probs, (), forbidden_kinds=("entropy",)),
+    # p is a constant in the op (detached): its value is the entropy's, its gradient is not.
+    Idiom("no_grad_probs_weight_log_probs", no_grad_probs_weight_log_probs, ("logprob+rowwise",),
+          forbidden_kinds=("entropy",)),
     Idiom("no_grad_weight_from_logprob", no_grad_weight_from_logprob, (), alternatives=(("entropy+logprob",),)),
     Idiom("float_upcast", float_upcast, ("entropy+logprob",)),
     Idiom("temperature_div", temperature_div, ("entropy+logprob",), temperature="/ 0.7"),

@@ -5,10 +5,10 @@ cross_entropy, ...), a region grows over data edges through row-local ops: upwar
 producers (casts, temperature scaling, -inf masking), downward through every row-local consumer
 of a wide value (reductions and gathers that make narrow outputs), and over narrow ops whose
 inputs all come from the region (`-sum`, `lse - sum`, squeeze). It stops at anything else, at
-values used outside that are still `[rows, V]` wide, and where grad mode would leak: a region
-may span a `no_grad` block (an entropy logged from the shared log_softmax), but no value
-computed under no_grad may feed one computed with grad, since the chunked op's backward would
-differentiate through it.
+values used outside that are still `[rows, V]` wide. A region may span `no_grad` blocks (an
+entropy logged from the shared log_softmax, a teacher's log_softmax read by the student's KL):
+the chunked op runs in one grad mode, so where it runs with grad, each value the region computes
+under no_grad is detached in its program (`Region.detached`), and no gradient flows through it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Region:
     inputs: list[torch.fx.Node]  # outside nodes the region reads (tensors and sym scalars)
     outputs: list[torch.fx.Node]  # region nodes used outside it (narrow)
     place: torch.fx.Node  # the chunked op goes right after this region node
+    detached: frozenset = frozenset()  # nodes computed under no_grad in a region whose op runs with grad
 
 
 def source_of(node: torch.fx.Node) -> str:
@@ -103,18 +104,15 @@ class _Grower:
             return "already part of another region"
         if node.op != "call_function":
             return node.op
-        if self.modes[node] and any(a in self.nodes and not self.modes[a] for a in node.all_input_nodes):
-            return "it reads a value computed under no_grad"
-        if not self.modes[node] and any(u in self.nodes and self.modes[u] for u in node.users):
-            return "it is computed under no_grad and read with grad"
         why = rowlocal.check(node, self.rows, self.layouts)
         if why is not None:
             return why
         val = node.meta["val"]
         if node.target is aten.slice.Tensor and not known_equal(val.shape[-1], 1):
-            # A slice of the vocabulary (a padded vocab cut to size) is still wide; a one-wide
-            # slice picks a column, like a gather (Categorical.log_prob's broadcast index).
-            self.vocabs.append(val.shape[-1])
+            # A slice of the vocabulary (a padded vocab cut to size) is still wide, and so is what
+            # it slices; a one-wide slice picks a column, like a gather (Categorical.log_prob's
+            # broadcast index).
+            self.vocabs.extend([val.shape[-1], node.args[0].meta["val"].shape[-1]])
         if isinstance(val, (tuple, list)):
             self.layouts[node] = rowlocal.layout_of(val[0], self.rows)
         else:
@@ -248,7 +246,8 @@ def _finish(grower: _Grower, order, regions) -> str | None:
     for a, lay in input_layouts.items():  # views in the region read their source's layout
         grower.layouts.setdefault(a, lay)
     grower.claimed.update(nodes)
-    regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs, place))
+    detached = frozenset(n for n in nodes if not grower.modes[n]) if grower.modes[place] else frozenset()
+    regions.append(Region(grower.anchor, nodes, grower.rows, grower.layouts, inputs, outputs, place, detached))
     return None
 
 

@@ -211,7 +211,9 @@ def check(node, rows, layouts: dict) -> str | None:
         return None
     if target in _REDUCTIONS_INT_DIM or target in _SOFTMAX:
         if not (has_tail and _last_dim(kw.get("dim"), ndim)):
-            return f"{_name(node)} is not over the last dim"
+            dim = kw.get("dim")
+            return (f"{_name(node)} is over dim {dim}, not the last: put the vocabulary last "
+                    f"(x.transpose({dim}, -1), then dim=-1) to have it chunked")
         return None
     if target in _GATHER:
         index = kw.get("index", kw.get("indices"))

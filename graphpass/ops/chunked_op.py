@@ -62,7 +62,7 @@ class RegionProgram:
     """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
 
     def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner, device,
-                 index_checks=()):
+                 index_checks=(), gradient_free=()):
         self.graph_module = graph_module
         self.device = torch.device(device)  # the kernels are traced and compiled for this device
         self.inputs: list[InputSpec] = list(inputs)
@@ -71,11 +71,13 @@ class RegionProgram:
         self.chunk_budget_bytes = chunk_budget_bytes
         self.inner = inner
         self.index_checks = tuple(index_checks)  # (input position, ignore_index or None): token ids
+        # Inputs the program reads only under no_grad (a teacher's logits): they get no gradient.
+        self.gradient_free = tuple(gradient_free)
         self.key = self._content_key()
         self.split = JointSplit(graph_module, [_arg_spec(spec) for spec in self.inputs],
                                 differentiable_outputs=[j for j, o in enumerate(self.outputs) if o.keeps_grad],
                                 differentiable_inputs=[i for i, spec in enumerate(self.inputs)
-                                                       if spec.dtype.is_floating_point],
+                                                       if spec.dtype.is_floating_point and i not in self.gradient_free],
                                 device=self.device)
         self._forward_kernel = None
         # Gradient kernels by (kind, active outputs, wanted inputs), kind "backward" or "fused"
@@ -92,7 +94,8 @@ class RegionProgram:
     def _identity(self) -> tuple:
         """Everything that makes this program compute what it computes (its key hashes it)."""
         return (OPS_FORMAT, self.graph_module.code, self.inputs, self.outputs,
-                self.chunk_size, self.chunk_budget_bytes, self.inner, str(self.device), self.index_checks)
+                self.chunk_size, self.chunk_budget_bytes, self.inner, str(self.device), self.index_checks,
+                self.gradient_free)
 
     @property
     def total_positions(self) -> tuple[int, ...]:
@@ -307,11 +310,7 @@ class RegionProgram:
     # ---- backward ----------------------------------------------------------------------
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """Gradients for `tensors` (None where not needed), recomputed chunk by chunk."""
-        # An output whose incoming gradient is absent or all zero contributes nothing: skip
-        # its recompute (this is how an entropy returned only for logging costs nothing here;
-        # on an accelerator only an absent one is skipped, see `devices.known_zero`).
-        active = tuple(i for i, (spec, g) in enumerate(zip(self.outputs, grad_outputs))
-                       if spec.keeps_grad and not devices.known_zero(g))
+        active = self._active_outputs(grad_outputs)
         wanted = self._kernel_wanted(needs_grad)
         grads = [None] * len(tensors)
         if not active or not wanted:
@@ -330,6 +329,14 @@ class RegionProgram:
                 total += g
         self._collect_gradients(tensors, grads, sinks, totals)
         return grads
+
+    def _active_outputs(self, grad_outputs) -> tuple[int, ...]:
+        """The outputs whose gradient the backward computes with: an output whose incoming
+        gradient is absent or all zero contributes nothing, so its recompute is skipped (this is
+        how an entropy returned only for logging costs nothing here; on an accelerator only an
+        absent one is skipped, see `devices.known_zero`)."""
+        return tuple(i for i, (spec, g) in enumerate(zip(self.outputs, grad_outputs))
+                     if spec.keeps_grad and not devices.known_zero(g))
 
     def _gradient_destinations(self, tensors, needs_grad, wanted, rows, vocab, chunk):
         """Where the backward kernel's gradients of the `wanted` inputs go: per-row inputs get theirs
@@ -462,7 +469,8 @@ def _setup_context(ctx, inputs, output):
     n = len(prog.outputs)
     ctx.key = key
     ctx.n_outputs = n
-    ctx.needs_grad = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.needs_grad = [t.requires_grad and t.is_floating_point() and i not in prog.gradient_free
+                      for i, t in enumerate(tensors)]
     ctx.save_for_backward(*tensors, *output[n:])
     forward_only = [o for o, spec in zip(output, prog.outputs) if not spec.keeps_grad] + list(output[n:])
     if forward_only:

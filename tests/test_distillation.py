@@ -1,0 +1,209 @@
+"""Distillation and the last idioms: two models' logits in one region, kl_div, JSD, label smoothing,
+padded vocabularies.
+
+Each loss is compiled with graphpass and compared with eager (values and every input gradient) in
+float64; the student's and the teacher's logits are the region's two wide inputs, the teacher's
+read under no_grad (it gets no gradient, as in eager, even when its logits require one). A few
+run under inductor in fp32. Must-not-match cases stay as written, with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphpass
+
+T, V, PAD = 24, 40, 6  # the padded vocabulary: V + PAD columns, V of them real
+
+
+def forward_kl(s, t, mask, temperature=2.0):
+    sl = torch.log_softmax(s / temperature, -1)
+    with torch.no_grad():
+        tl = torch.log_softmax(t / temperature, -1)
+    return ((tl.exp() * (tl - sl)).sum(-1) * mask).sum() / mask.sum() * temperature ** 2
+
+
+def reverse_kl(s, t, mask, temperature=1.5):
+    with torch.no_grad():
+        tl = torch.log_softmax(t / temperature, -1)
+    sl = torch.log_softmax(s / temperature, -1)
+    return ((sl.exp() * (sl - tl)).sum(-1) * mask).sum() / mask.sum()
+
+
+def symmetric_kl(s, t, mask):
+    sl, tl = torch.log_softmax(s, -1), torch.log_softmax(t, -1).detach()
+    return (((tl.exp() - sl.exp()) * (tl - sl)).sum(-1) * mask).mean()
+
+
+def jsd(s, t, mask, beta=0.3):
+    """TRL GKD's generalised JSD: the mixture as a logsumexp over the stacked pair."""
+    sl, tl = F.log_softmax(s, -1), F.log_softmax(t, -1)
+    mix = torch.logsumexp(torch.stack([sl + torch.log(torch.tensor(1 - beta, dtype=s.dtype)),
+                                       tl + torch.log(torch.tensor(beta, dtype=s.dtype))]), dim=0)
+    kl_teacher = F.kl_div(mix, tl, reduction="none", log_target=True)
+    kl_student = F.kl_div(mix, sl, reduction="none", log_target=True)
+    return (beta * kl_teacher + (1 - beta) * kl_student).sum() / mask.sum()
+
+
+def per_sequence_kl(s, t, mask):
+    """Per-sequence sums (4 sequences of T / 4 tokens), then their mean."""
+    sl, tl = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
+    kl = (tl.exp() * (tl - sl)).sum(-1) * mask
+    return kl.view(4, -1).sum(-1).mean()
+
+
+def top_k_distillation(s, t, mask, k=5):
+    """The teacher's top-k tokens only: the student's log-probs there, weighted by the teacher's."""
+    with torch.no_grad():
+        top_logp, top_ids = torch.log_softmax(t, -1).topk(k, -1)
+    picked = torch.log_softmax(s, -1).gather(-1, top_ids)
+    return -((top_logp.exp() * picked).sum(-1) * mask).mean()
+
+
+def kl_div_reduction(reduction, log_target):
+    def loss(s, t, mask):
+        target = torch.log_softmax(t, -1) if log_target else torch.softmax(t, -1)
+        out = F.kl_div(torch.log_softmax(s, -1), target, reduction=reduction, log_target=log_target)
+        return out.sum(-1).mean() if reduction == "none" else out
+    loss.__name__ = f"kl_div_{reduction}_{'log' if log_target else 'prob'}"
+    return loss
+
+
+def hinton(s, t, mask, temperature=2.0):
+    return F.kl_div(F.log_softmax(s / temperature, -1), F.softmax(t / temperature, -1),
+                    reduction="batchmean") * temperature ** 2
+
+
+def label_smoothing(reduction):
+    def loss(s, t, mask):
+        labels = t.argmax(-1)
+        labels[::7] = -100
+        out = F.cross_entropy(s, labels, label_smoothing=0.1, reduction=reduction)
+        return out.mean() if reduction == "none" else out
+    loss.__name__ = f"label_smoothing_{reduction}"
+    return loss
+
+
+def padded_vocabulary(s, t, mask):
+    """Megatron pads the vocabulary (to a multiple of 128 x tp): the real columns sliced off."""
+    labels = t[:, :V - PAD].argmax(-1)
+    return -torch.log_softmax(s[:, :V - PAD], -1).gather(-1, labels[:, None]).squeeze(-1).mean()
+
+
+REWRITTEN = [forward_kl, reverse_kl, symmetric_kl, jsd, per_sequence_kl, top_k_distillation, hinton,
+             padded_vocabulary, *[kl_div_reduction(r, lt) for r in ("none", "sum", "mean", "batchmean")
+                                  for lt in (False, True)],
+             *[label_smoothing(r) for r in ("none", "mean", "sum")]]
+
+
+def _inputs(dtype=torch.float64, teacher_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    student = torch.randn(T, V, generator=g, dtype=dtype).requires_grad_()
+    teacher = (torch.randn(T, V, generator=g, dtype=dtype) * 2).requires_grad_(teacher_grad)
+    mask = (torch.rand(T, generator=g) > 0.25).to(dtype)
+    return [student, teacher, mask]
+
+
+def _parity(loss, tensors, inner="eager", atol=1e-10):
+    refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
+    backend = graphpass.Backend(inner=inner, strict=True)
+    out = torch.compile(loss, backend=backend)(*tensors)
+    ref = loss(*refs)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+    for mine, theirs in zip(tensors, refs):
+        if theirs.grad is None:
+            assert mine.grad is None, "a gradient eager does not give"
+        else:
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=atol, rtol=atol)
+    return backend.records[0]
+
+
+@pytest.mark.parametrize("loss", REWRITTEN, ids=lambda f: f.__name__)
+def test_rewritten_in_float64(loss):
+    record = _parity(loss, _inputs())
+    assert record.sites, record.rejected
+    assert sum(site.wide_inputs for site in record.sites) >= 1
+
+
+@pytest.mark.parametrize("loss", [forward_kl, reverse_kl, top_k_distillation], ids=lambda f: f.__name__)
+def test_a_teacher_whose_logits_require_grad_gets_none_under_no_grad(loss):
+    record = _parity(loss, _inputs(teacher_grad=True))
+    assert record.sites
+
+
+def test_both_models_in_one_region():
+    """The teacher's log_softmax joins the student's region: both logits are its wide inputs,
+    no `[T, V]` value of the teacher is stored between them."""
+    record = _parity(forward_kl, _inputs())
+    (site,) = record.sites
+    assert site.wide_inputs == 2 and not record.rejected
+
+
+@pytest.mark.parametrize("loss", [forward_kl, jsd, hinton], ids=lambda f: f.__name__)
+def test_under_inductor_in_fp32(loss):
+    record = _parity(loss, _inputs(torch.float32), inner="inductor", atol=2e-5)
+    assert record.sites
+
+
+def test_padded_vocabulary_with_the_lm_head():
+    def head_loss(hidden, weight, labels):
+        logits = F.linear(hidden, weight)[:, :V - PAD]
+        return F.cross_entropy(logits, labels)
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(T, 8, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(V, 8, generator=g, dtype=torch.float64).requires_grad_()
+    labels = torch.randint(0, V - PAD, (T,), generator=g)
+    record = _parity(head_loss, [hidden, weight, labels])
+    assert record.sites and record.sites[0].lm_head
+
+
+def test_the_vocabulary_on_dim_1_says_what_to_change():
+    def loss(s, t, mask):
+        logits = s.view(4, -1, V).transpose(1, 2)  # [B, V, S]
+        return -torch.log_softmax(logits, 1).amax(1).mean()
+
+    record = _parity(loss, _inputs())
+    assert not record.sites
+    assert any("put the vocabulary last" in c.reason for c in record.rejected), record.rejected
+
+
+def test_the_vocabulary_on_dim_1_of_cross_entropy_is_rewritten():
+    def loss(s, t, mask):
+        return F.cross_entropy(s.view(4, -1, V).transpose(1, 2), t.argmax(-1).view(4, -1), label_smoothing=0.1)
+
+    assert _parity(loss, _inputs()).sites
+
+
+def test_must_not_match_a_full_sum_of_plain_values():
+    """A full sum of values no softmax made stays as it is (no region, nothing to chunk)."""
+    def loss(s, t, mask):
+        return (s * t).sum() + torch.log_softmax(s, -1).gather(-1, t.argmax(-1, keepdim=True)).mean()
+
+    record = _parity(loss, _inputs())
+    assert len(record.sites) == 1
+    sums = record.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.sum.default)
+    assert any(n.args[0].target is torch.ops.aten.mul.Tensor for n in sums)  # still one full sum
+
+
+def test_must_not_match_returned_teacher_log_probs():
+    """The teacher's `[T, V]` log-probs are returned: they stay outside, the KL's region reads them."""
+    def loss(s, t, mask):
+        with torch.no_grad():
+            tl = torch.log_softmax(t, -1)
+        kl = (tl.exp() * (tl - torch.log_softmax(s, -1))).sum(-1).mean()
+        return kl, tl
+
+    tensors = _inputs()
+    refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
+    backend = graphpass.Backend(inner="eager", strict=True)
+    out, tl = torch.compile(loss, backend=backend)(*tensors)
+    ref, ref_tl = loss(*refs)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(tl, ref_tl)
+    torch.testing.assert_close(tensors[0].grad, refs[0].grad, atol=1e-10, rtol=1e-10)
