@@ -25,7 +25,7 @@ class Backend:
     def __init__(self, config: Config | None = None, **options):
         if config is not None and options:
             raise TypeError("graphpass.Backend: pass either a Config or keyword options, not both")
-        self.config = config or Config(**options)
+        self.config = config or Config.from_options(**options)
         self.records: list[GraphRecord] = []
 
     def __repr__(self):

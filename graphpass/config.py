@@ -41,10 +41,19 @@ class Config:
     The passes, in order: see `passes.PASS_NAMES`. An unknown name is an error here.
     """
 
+    @classmethod
+    def from_options(cls, **options) -> "Config":
+        """A Config from keyword options; an unknown one is a one-line error naming the valid ones."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            raise TypeError(f"graphpass: unknown option {unknown[0]!r}; the options are: {', '.join(names)}")
+        return cls(**options)
+
     def __post_init__(self):
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
+        if self.chunk_size is not None and (not _is_int(self.chunk_size) or self.chunk_size < 1):
             raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {self.chunk_size!r}")
-        if not isinstance(self.chunk_budget_bytes, int) or self.chunk_budget_bytes < 1:
+        if not _is_int(self.chunk_budget_bytes) or self.chunk_budget_bytes < 1:
             raise ValueError(
                 f"graphpass: chunk_budget_bytes must be a positive int, got {self.chunk_budget_bytes!r}"
             )
@@ -55,3 +64,8 @@ class Config:
         if not isinstance(self.gradients_in_forward, bool):
             raise ValueError(f"graphpass: gradients_in_forward must be True or False, got {self.gradients_in_forward!r}")
         object.__setattr__(self, "disable_passes", check_pass_names(self.disable_passes))
+
+
+def _is_int(value) -> bool:
+    """An int that is not a bool (`True` is an int to Python, never a chunk size)."""
+    return isinstance(value, int) and not isinstance(value, bool)

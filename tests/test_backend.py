@@ -226,11 +226,21 @@ def test_runtime_temperature_is_applied_exactly_without_a_recompile_per_value():
 @pytest.mark.parametrize("options, message", [
     ({"inner": "tvm"}, "inner must be one of inductor, aot_eager, eager"),
     ({"chunk_size": 0}, "chunk_size must be a positive int"),
+    ({"chunk_size": True}, "chunk_size must be a positive int"),
+    ({"chunk_budget_bytes": False}, "chunk_budget_bytes must be a positive int"),
     ({"disable_passes": "tag_grad_flow_pass"}, "must be a tuple of pass names"),
 ])
 def test_config_rejects_bad_options(options, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         graphpass.Backend(**options)
+    assert "\n" not in str(info.value)
+
+
+def test_an_unknown_option_names_the_valid_ones():
+    with pytest.raises(TypeError) as info:
+        graphpass.Backend(chunk_sise=512)
+    message = str(info.value)
+    assert "unknown option 'chunk_sise'" in message and "chunk_size" in message and "\n" not in message
 
 
 def test_disabling_the_rewrite_pass_runs_the_graph_unchanged():
