@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -231,7 +232,9 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
         if method == "graphpass":
             sites = [s for r in backend.records for s in r.sites]
             result["graphpass"] = dict(_graphpass_summary(backend, world), lm_head_sites=sum(s.lm_head for s in sites),
-                                       lm_head_reasons=[s.lm_head_reason for s in sites if s.lm_head_reason])
+                                       gradients_in_forward_sites=sum(s.gradients_in_forward for s in sites),
+                                       lm_head_reasons=[s.lm_head_reason for s in sites if s.lm_head_reason],
+                                       recompute_reasons=[s.recompute_reason for s in sites if s.recompute_reason])
         del values
         clear()
     load.append(os.getloadavg()[0])
@@ -293,8 +296,9 @@ def table(rows: list[dict]) -> str:
         notes = [] if ok else [f"{r['status']}: {r.get('note', '')}"[:160]]
         gp = r.get("graphpass")
         if gp is not None:
-            notes.append(f"{gp['lm_head_sites']} lm_head site(s) of {gp['tp_sites']} tp")
-            notes += [f"FELL BACK: {why}" for why in gp["fallbacks"]] + gp["lm_head_reasons"]
+            notes.append(f"{gp['lm_head_sites']} lm_head site(s) of {gp['tp_sites']} tp, "
+                         f"{gp['gradients_in_forward_sites']} with gradients in forward")
+            notes += [f"FELL BACK: {why}" for why in gp["fallbacks"]] + gp["lm_head_reasons"] + gp["recompute_reasons"]
         if "inductor_graphs" in r:
             notes.append(f"{r['inductor_graphs']} graphs")
         if ok and not r["collectives_same_on_all_ranks"]:
@@ -303,10 +307,16 @@ def table(rows: list[dict]) -> str:
                      " / ".join(f"{p / 2**20:.1f}" for p in r["peak_bytes_per_rank"]) if ok else "",
                      " / ".join(f"{t:.3f}" for t in r["rank_time_s"]) if ok else "",
                      "" if ratio is None else f"{ratio:.2f}",
-                     ", ".join(r["collectives"]) if ok else "", f"{r['parity']:.1e}" if "parity" in r else "",
+                     _runs(r["collectives"]) if ok else "", f"{r['parity']:.1e}" if "parity" in r else "",
                      "; ".join(notes)])
     return tabulate(body, headers=["code", "method", "peak/floor", "peak MiB per rank", "step s per rank",
                                    "x inductor", "collectives/step", "parity", "notes"], disable_numparse=True)
+
+
+def _runs(names: list[str]) -> str:
+    """`a, a, a, b` as `a x3, b`."""
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(names)]
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in runs)
 
 
 def acceptance(rows: list[dict]) -> list[dict]:

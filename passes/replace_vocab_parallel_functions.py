@@ -18,6 +18,13 @@ or `hidden @ W_shard.t()` in the same graph and grad mode, read by nothing else,
 logits computed (and recomputed in backward) from the hidden states, the `[*, V/tp]` logits and
 their gradient never stored, the same one collective (`SiteRecord.lm_head`). Where the logits come
 from a matmul that cannot be absorbed, the reason is recorded and the op reads the logits.
+
+Where such an lm_head op's loss is affine in sums over the rows of per-token math of its outputs
+(token-mean PPO, cross-entropy), the op becomes `graphpass::vocab_parallel_lm_head_with_gradients`:
+it computes the gradients of the hidden states, weight and bias in its forward, block by block of
+rows, with one all-gather of row statistics per block (three GEMMs instead of four;
+`SiteRecord.gradients_in_forward`, else `recompute_reason` says why). The choice reads the graph
+alone, so every rank that traces the same graph issues the same collectives whatever its grad mode.
 """
 
 from __future__ import annotations
@@ -33,10 +40,15 @@ from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
-                                                match_graph, values_without_gradient)
+                                                match_graph, match_token_loss, values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of
+from graphpass.lint import _INPLACE_ALL_REDUCE_FRAMES as INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
+from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
 from graphpass.records import Candidate, CollectiveRecord, OutputRecord, SiteRecord
+
+# The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
+from .chunk_rowwise_regions import _add_gradient_carrier, _coefficients
 
 aten = torch.ops.aten
 
@@ -59,6 +71,7 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
                 record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {match}"))
             continue
         built.append(_replace_function(gm.graph, stub, hop, match, config))
+    built = [(*b, True) for b in built]  # (site, op node, whether its gradients may be computed in forward)
     inlined = _replace_inlined(gm, example_inputs, config, record)
     if inlined is not None:
         built.append(inlined)
@@ -66,8 +79,15 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
     # before the fusion asks what else reads them.
     gm.graph.eliminate_dead_code()
     modes = grad_modes(gm.graph)
-    for site, op in built:
-        _fuse_lm_head(gm.graph, op, site, modes, record)
+    heads = [(site, _fuse_lm_head(gm.graph, op, site, modes, record), may) for site, op, may in built]
+    taken = set()  # the loss math an earlier site took in
+    for site, head, may in heads:
+        if head is not None and not may:
+            # Functional all-reduces, or a gradient through them: a sum over the ranks in backward,
+            # which the op computing its gradients in forward does not do.
+            site.recompute_reason = "its code's all-reduces are functional collectives or carry a gradient"
+        elif head is not None:
+            _take_loss_math(gm, example_inputs, head, site, config, taken)
         _add_site(record, site)
     gm.graph.eliminate_dead_code()
     return gm
@@ -81,10 +101,11 @@ def _add_site(record, site: SiteRecord) -> None:
 _HEAD_OP = torch.ops.graphpass.vocab_parallel_lm_head_logprob_entropy.default
 
 
-def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, modes, record) -> None:
+def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, modes, record) -> torch.fx.Node | None:
     """`op` reading `hidden, W (, b)` instead of its logits where they are `hidden @ W.T (+ b)`
-    (`graphpass.analysis.lm_head.match_matmul`) that nothing else reads, in the op's grad mode;
-    else `op` as it is, and the reason recorded where the logits are a matmul."""
+    (`graphpass.analysis.lm_head.match_matmul`) that nothing else reads, in the op's grad mode: the
+    new op's node; else None, `op` as it is, with the reason on the site (and among the candidates
+    where the logits are a matmul)."""
     logits = op.args[0]
     head, why = _match_head(logits) if isinstance(logits, torch.fx.Node) else (None, None)
     if head is not None and head.weight_transposed:
@@ -101,7 +122,7 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
             record.rejected.append(Candidate(source_of(logits), f"lm_head not fused into the vocab-parallel op at "
                                                                 f"{site.source}: {why}"))
         site.lm_head_reason = why or not_computed_here(logits)
-        return
+        return None
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     with graph.inserting_before(op):
         hidden = head.hidden
@@ -119,9 +140,80 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
         graph.erase_node(check)
     site.lm_head = True
     site.hidden_shape = tuple(hidden.meta["val"].shape)
+    return fused
 
 
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_WITH_GRADIENTS = torch.ops.graphpass.vocab_parallel_lm_head_with_gradients.default
+
+
+def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, config, taken: set) -> None:
+    """The lm_head op `op` -> `vocab_parallel_lm_head_with_gradients`, which computes its inputs'
+    gradients in forward, where the loss is affine in sums over the rows of per-token math of its
+    outputs (`analysis.vocab_parallel.match_token_loss`); else `op` stays, the reason on the site.
+
+    The new op's log-probs and entropies carry no gradient: the loss math stays in the graph and
+    computes the loss's value from them, and the op's carrier, added to the loss, takes the loss's
+    gradient to the op, which scales the gradients it computed by it."""
+    graph = gm.graph
+    hidden, weight, bias, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, \
+        chunk, kernels = op.args
+    outputs = sorted((u for u in op.users if u.target is operator.getitem and u.args[1] in (0, 1)),
+                     key=lambda u: u.args[1])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    requires = requires_grad(gm, example_inputs, grad_modes(graph))
+    needs = [requires[n] if isinstance(n, torch.fx.Node) else False for n in (hidden, weight, bias)]
+    # The choice sets the collectives (one all-gather per block, or one per call): it reads the
+    # graph alone, never this rank's grad mode or requires_grad, so every rank of the group makes
+    # it alike. A rank that needs no gradient runs the same blocks without computing one.
+    with torch.enable_grad():
+        modes = grad_modes(graph)
+    loss = why = None
+    if not config.gradients_in_forward:
+        why = "gradients_in_forward=False"
+    elif keep_mask is not None or any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in op.users):
+        why = "the op's outputs are read whole"
+    else:
+        loss = match_token_loss(op, outputs, with_entropy and entropy_grad, modes, order)
+        if isinstance(loss, str):
+            loss, why = None, loss
+        elif taken.intersection([*loss.summed.nodes, *loss.summed.totals]):
+            loss, why = None, "its loss math is shared with another site's, which computes its gradients in forward"
+    if loss is None:
+        site.recompute_reason = why
+        return
+    summed = loss.summed
+    taken.update(summed.nodes, summed.totals)
+    fake_mode = _torch_api.detect_fake_mode([hidden.meta["val"]])
+
+    def node(target, *args, **kwargs):
+        return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, op)
+
+    with graph.inserting_before(summed.place.next):
+        seeds = _coefficients(graph, summed, fake_mode, {})
+        sides = [node(aten.reshape.default, s, [-1] if per_row else []) for s, per_row in zip(loss.sides, loss.per_row)]
+        dtype = outputs[0].meta["val"].dtype
+        key = register_loss(loss.program, dtype, [(s.meta["val"].dtype, p) for s, p in zip(loss.sides, loss.per_row)],
+                            [seed.meta["val"].dtype for seed in seeds], summed.reductions,
+                            with_entropy and entropy_grad)
+        fused = node(_WITH_GRADIENTS, hidden, weight, bias, target, sides, seeds, key, group_name, temperature,
+                     with_entropy, entropy_grad, ignore_index, chunk, kernels, *needs)
+        items = [node(operator.getitem, fused, i) for i in range(3)]
+    for old in [u for u in op.users]:
+        old.replace_all_uses_with(items[old.args[1]])
+        graph.erase_node(old)
+    graph.erase_node(op)
+    _add_gradient_carrier(graph, summed.sink, items[2], fake_mode)
+    # The op goes after the last value its loss math reads; its readers come after it.
+    _torch_api.stable_topological_sort(graph)
+    val = hidden.meta["val"]
+    rows, vocab = _torch_api.size_hint(val.numel()) // val.shape[-1], weight.meta["val"].shape[0]
+    block = block_rows(chunk, rows, vocab, val.shape[-1], val.dtype.itemsize)
+    blocks = -(-rows // block)
+    site.gradients_in_forward, site.recompute_reason, site.chunk_rows = True, None, block
+    site.collectives = [CollectiveRecord("all_gather", site.tp_size, collective_bytes(min(block, rows - i * block),
+                                                                                      val.dtype, with_entropy, False))
+                        for i in range(blocks)]
 
 
 def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
@@ -190,10 +282,11 @@ def _match_function(hop, stub) -> VocabParallelMatch | str:
         target=None if match.target is None else tensors[placeholders.index(match.target)])
 
 
-def _replace_inlined(gm, example_inputs, config, record) -> None:
+def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     """The vocab-parallel math of a Function Dynamo inlined (it does so when no input requires
     grad), or written with functional all-reduces, where no gradient flows through it: the same
     one collective as where the Function is replaced, whatever the grad mode of each rank.
+    Returns (site, op node, whether it is a Function's inlined forward), or None.
 
     Where a gradient flows, a functional all-reduce's backward sums it over the ranks: the op's
     outputs then do too (`sum_grads_over_group`). Code with a detached statistic (its gradient is
@@ -220,6 +313,12 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
                                                  "by other code"))
         return None
     no_gradient = {i for i, n in enumerate(match.nodes) if not requires[n]}
+    # A Function's forward Dynamo inlined (no input required grad) all-reduces in place; on a rank
+    # where an input requires grad the same code is the Function, whose lm_head op may compute its
+    # gradients in forward, block by block: so may this one, to issue the same collectives.
+    function_forward = not with_gradient and all(
+        any(frame in (n.meta.get("stack_trace") or "") for frame in INPLACE_ALL_REDUCE_FRAMES)
+        for n in collectives if n.target is _ALL_REDUCE)
     # Where a gradient flows, the code's all-reduces sum it over the ranks in backward: so does the op's stand-in.
     built = _replace_outputs(gm.graph, match, list(match.nodes), no_gradient, config, like=match.nodes[0],
                              sum_grads=with_gradient)
@@ -227,7 +326,7 @@ def _replace_inlined(gm, example_inputs, config, record) -> None:
     for node in reversed(list(gm.graph.nodes)):
         if node in dead and not node.users:
             gm.graph.erase_node(node)
-    return built
+    return (*built, function_forward)
 
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default

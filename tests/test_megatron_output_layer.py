@@ -5,7 +5,9 @@ parallel), then a vocab-parallel loss: a slime-style Function, or megatron-core'
 
 graphpass's stand-in for megatron-core's linear Function (`graphpass.integrations.megatron`) lets
 Dynamo trace the layer whole, so the vocab-parallel op takes in its matmul: an lm_head site, the
-`[s, b, v/tp]` logits and their gradient never stored. Checked per case: the loss and the
+`[s, b, v/tp]` logits and their gradient never stored, and the losses (token means) are taken in:
+the gradients are computed in forward, block by block (`gradients_in_forward=False`: recomputed
+in backward). Checked per case: the loss and the
 gradients of the hidden states, the weight shard and the bias shard against eager megatron-core
 (the same function, uncompiled) and against one device in float64; the collectives each rank
 issued (the profiler's gloo events, forward and backward), the same on every rank, also when the
@@ -35,7 +37,8 @@ TEMPERATURE = 0.7
 
 # (loss, dtype, sequence_parallel, bias, variant, inner compiler); variant: "" plain, "returned" (the
 # logits are also an output: not fused), "frozen" (the weight does not require grad), "differing"
-# (rank 1's hidden states do not require grad).
+# (rank 1's hidden states do not require grad), "recompute" (`gradients_in_forward=False`), and two
+# losses that are no sum of per-token terms (`_token_loss`).
 CASES = [
     ("slime", torch.float64, False, False, "", "aot_eager"),
     ("slime", torch.float64, True, True, "", "aot_eager"),
@@ -44,7 +47,15 @@ CASES = [
     ("slime", torch.float32, False, True, "differing", "aot_eager"),
     ("slime", torch.float64, True, False, "frozen", "aot_eager"),
     ("slime", torch.float64, False, False, "returned", "aot_eager"),
+    ("slime", torch.float64, True, True, "recompute", "aot_eager"),
+    ("megatron", torch.float32, False, False, "recompute", "aot_eager"),
+    ("slime", torch.float64, False, False, "on-policy", "aot_eager"),
+    ("megatron", torch.float32, True, False, "per-sequence", "aot_eager"),
 ]
+# Why the op recomputes in backward, per variant (the rest compute their gradients in forward).
+RECOMPUTE = {"recompute": "gradients_in_forward=False",
+             "on-policy": "its loss math reads detach, computed from its own outputs",
+             "per-sequence": "its outputs reach the loss through sum"}
 
 
 def _case_id(case):
@@ -53,7 +64,7 @@ def _case_id(case):
                                   variant, inner]))
 
 
-def _loss(loss, logits, target, old, adv, mask):
+def _loss(loss, logits, target, old, adv, mask, variant=""):
     """The PPO loss of megatron's `[s, b, v/tp]` logits: per-token log-probs (and slime's entropy)."""
     if loss == "megatron":
         from megatron.core import tensor_parallel
@@ -62,7 +73,18 @@ def _loss(loss, logits, target, old, adv, mask):
     else:
         logprob, entropy = slime_style_logprob_entropy(logits.view(-1, logits.shape[-1]), target.view(-1),
                                                        with_entropy=True, temperature=TEMPERATURE)
-    return _masked_ppo(logprob.reshape(-1), entropy, old, adv, mask)
+    return _token_loss(variant, logprob.reshape(-1), entropy, old, adv, mask)
+
+
+def _token_loss(variant, logprob, entropy, old, adv, mask):
+    """`_masked_ppo`; "on-policy": against the detached log-probs themselves (GRPO's single step);
+    "per-sequence": of each sequence's summed log-prob (GSPO-like)."""
+    if variant == "on-policy":
+        return _masked_ppo(logprob, entropy, logprob.detach(), adv, mask)
+    if variant == "per-sequence":
+        per_sequence = logprob.view(S, B).sum(0)
+        return _masked_ppo(per_sequence, None, old.view(S, B).sum(0), adv[:B], mask[:B])
+    return _masked_ppo(logprob, entropy, old, adv, mask)
 
 
 def _data(dtype):
@@ -76,10 +98,11 @@ def _data(dtype):
     old = -torch.rand(S * B, generator=g, dtype=torch.float64) * 3
     adv = torch.randn(S * B, generator=g, dtype=torch.float64)
     mask = torch.rand(S * B, generator=g) < 0.7
+    mask[:B] = True  # the per-sequence loss reads the first B
     return hidden, weight, bias, target, old.to(dtype), adv.to(dtype), mask
 
 
-def _reference(loss, data, with_bias):
+def _reference(loss, data, with_bias, variant):
     """(loss, hidden.grad [S, B, H], weight.grad [V, H], bias.grad [V]) on one device in float64."""
     hidden, weight, bias, target, old, adv, mask = data
     hidden, weight, bias = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
@@ -87,7 +110,7 @@ def _reference(loss, data, with_bias):
     logp = (logits / (TEMPERATURE if loss == "slime" else 1.0)).log_softmax(-1)
     logprob = logp.gather(-1, target[..., None]).reshape(-1)
     entropy = -(logp.exp() * logp).sum(-1).reshape(-1) if loss == "slime" else None
-    value = _masked_ppo(logprob, entropy, old.double(), adv.double(), mask)
+    value = _token_loss(variant, logprob, entropy, old.double(), adv.double(), mask)
     value.backward()
     return value.detach(), hidden.grad, weight.grad, bias.grad
 
@@ -127,7 +150,7 @@ def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
 
     def head_and_loss(h, target, old, adv, mask):
         logits, _ = layer(h)
-        value = _loss(loss, logits, target, old, adv, mask)
+        value = _loss(loss, logits, target, old, adv, mask, variant)
         return (value, logits) if variant == "returned" else value
 
     def run(fn, requires_grad=True):
@@ -148,12 +171,12 @@ def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
 
     requires_grad = not (variant == "differing" and rank == 1)
     torch._dynamo.reset()
-    backend = graphpass.Backend(inner=inner)
+    backend = graphpass.Backend(inner=inner, gradients_in_forward=variant != "recompute")
     value, grads, issued = run(torch.compile(head_and_loss, backend=backend), requires_grad)
     with _megatron_on_the_cpu():
         eager_value, eager_grads, eager_issued = run(head_and_loss, requires_grad)
         eager_function = layer(local.clone().requires_grad_())[0].grad_fn.name()
-    ref_value, ref_h, ref_w, ref_b = _reference(loss, data, with_bias)
+    ref_value, ref_h, ref_w, ref_b = _reference(loss, data, with_bias, variant)
     shard = slice(rank * WIDTH, (rank + 1) * WIDTH)
     ref_grads = [ref_h[rows] if requires_grad else None, None if variant == "frozen" else ref_w[shard]]
     ref_grads += [ref_b[shard]] if with_bias else []
@@ -163,7 +186,9 @@ def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
         eager_vs_ref=_max_err(eager_value, eager_grads, ref_value, ref_grads), eager_function=eager_function,
         grad_dtypes=[g.dtype for g in grads if g is not None],
         sites=[dict(kind=s.kind, lm_head=s.lm_head, hidden_shape=s.hidden_shape, shape=s.shape, tp_size=s.tp_size,
-                    lm_head_reason=s.lm_head_reason) for r in backend.records for s in r.sites],
+                    lm_head_reason=s.lm_head_reason, gradients_in_forward=s.gradients_in_forward,
+                    recompute_reason=s.recompute_reason, collectives=[c.op for c in s.collectives])
+               for r in backend.records for s in r.sites],
         rejected=[c.reason for r in backend.records for c in r.rejected],
         fallbacks=[r.fallback_reason for r in backend.records if r.fallback_reason], graphs=len(backend.records),
         issued=issued, eager_issued=eager_issued)
@@ -197,13 +222,40 @@ def _outside(rank, spelling):
     return [(s.lm_head, s.lm_head_reason) for r in backend.records for s in r.sites]
 
 
+def _grad_modes(rank, modes, gradients_in_forward):
+    """The loss's forward on each rank in its grad mode `modes[rank]` (forward only: the layer's
+    backward all-reduce would wait for a rank without grad, in eager megatron-core too): (the
+    forward's gloo collectives, the loss's error against one device)."""
+    data = _data(torch.float64)
+    hidden, weight, bias, target, old, adv, mask = data
+    layer = _layer(torch.float64, False, False, weight, bias, rank)
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner="aot_eager", gradients_in_forward=gradients_in_forward)
+    fn = torch.compile(lambda h, *rest: _loss("slime", layer(h)[0], *rest), backend=backend)
+    state = {}
+
+    def forward():
+        with torch.set_grad_enabled(modes[rank]):
+            state["loss"] = fn(hidden.clone().requires_grad_(), target, old, adv, mask)
+
+    issued = _profiled(forward)
+    return issued, _err(state["loss"], _reference("slime", data, False, "")[0])
+
+
+# (grad mode per rank, gradients_in_forward): without grad on every rank, the op's blocks; ranks in
+# different grad modes trace different graphs (Dynamo inlines the Function where no input requires
+# grad), which issue the same one all-gather only when the op recomputes in backward.
+GRAD_MODES = [((False, False), True), ((True, False), False)]
+
+
 def _ranks(rank, world):
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     try:
         return dict(cases=[_case(rank, *case) for case in CASES],
-                    outside={spelling: _outside(rank, spelling) for spelling in ("input", "break")})
+                    outside={spelling: _outside(rank, spelling) for spelling in ("input", "break")},
+                    grad_modes=[_grad_modes(rank, *case) for case in GRAD_MODES])
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -255,9 +307,17 @@ def test_the_output_layer_is_fused_into_one_graph_with_the_loss(index):
             assert not site["lm_head"] and site["lm_head_reason"] == "its logits are also an output of the graph", where
             assert any(why.startswith("lm_head not fused") and "output of the graph" in why for why in r["rejected"])
             continue
-        assert site["lm_head"] and site["lm_head_reason"] is None and r["rejected"] == [], where
+        assert site["lm_head"] and site["lm_head_reason"] is None, where
+        assert not any(why.startswith("lm_head not fused") for why in r["rejected"]), where
         # Under sequence parallelism, the gathered rows; the slime-style Function reads them as [s * b, h].
         assert site["hidden_shape"] == ((S, B, H) if loss == "megatron" else (S * B, H)), where
+        # Both losses are token means: the op computes the gradients in forward, one block at a time.
+        if variant in RECOMPUTE:
+            assert not site["gradients_in_forward"] and RECOMPUTE[variant] in site["recompute_reason"], where
+            assert site["collectives"] == ["all_gather"], where
+        else:
+            assert site["gradients_in_forward"] and site["recompute_reason"] is None, where
+            assert len(site["collectives"]) > 1 and set(site["collectives"]) == {"all_gather"}, where
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
@@ -266,11 +326,21 @@ def test_every_rank_issues_the_same_collectives(index):
     per_rank = [result["cases"][index] for result in _spawned()]
     where = (_case_id(CASES[index]), [r["issued"] for r in per_rank])
     assert all(r["issued"] == per_rank[0]["issued"] for r in per_rank), where
-    # Forward: the hidden rows' all-gather (sequence parallel), the op's one all-gather of row
-    # statistics; backward: the hidden states' gradient reduce-scattered (sequence parallel; gloo
-    # runs it as an all-reduce) or all-reduced, as megatron-core's Function does, whichever inputs
-    # require grad.
-    assert per_rank[0]["issued"] == (["all_gather"] if sp else []) + ["all_gather", "all_reduce"], where
+    # Forward: the hidden rows' all-gather (sequence parallel), the op's all-gathers of row
+    # statistics (one per call, or one per block where it computes its gradients in forward, as
+    # its site records); backward: the hidden states' gradient reduce-scattered (sequence
+    # parallel; gloo runs it as an all-reduce) or all-reduced, as megatron-core's Function does,
+    # whichever inputs require grad.
+    (site,) = per_rank[0]["sites"]
+    assert per_rank[0]["issued"] == (["all_gather"] if sp else []) + site["collectives"] + ["all_reduce"], where
+
+
+@pytest.mark.parametrize("index", range(len(GRAD_MODES)), ids=["no-grad", "mixed-recompute"])
+def test_ranks_in_either_grad_mode_issue_the_same_collectives(index):
+    per_rank = [result["grad_modes"][index] for result in _spawned()]
+    logs = [issued for issued, _ in per_rank]
+    assert logs[0] == logs[1] and logs[0] and set(logs[0]) == {"all_gather"}, logs
+    assert all(err <= 1e-10 for _, err in per_rank), per_rank
 
 
 @pytest.mark.parametrize("spelling", ["input", "break"])

@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
-from graphpass.analysis import catalogue, recognize
+from graphpass.analysis import catalogue, recognize, rowlocal
 from graphpass.analysis.recognize import PW, Exp, OutputLabel
 
 aten = torch.ops.aten
@@ -476,3 +476,101 @@ def _closure(nodes, direction: str) -> set:
                 seen.add(n)
                 todo.append(n)
     return seen
+
+
+# ---- the loss math after the op, per token ---------------------------------------------------------
+#: Views that keep a value's elements in row-major order: a per-token value stays per-token, in
+#: the op's row order (a transpose would reorder them).
+_FLAT_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.default,
+               aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.flatten.using_ints,
+               aten.alias.default, aten.clone.default}
+
+
+@dataclasses.dataclass
+class _OpOutputs:
+    """A vocab-parallel op's per-token outputs, as `summed_loss.match_summed_loss` reads a region."""
+
+    nodes: list
+    outputs: list
+    layouts: dict
+    rows: object
+    place: torch.fx.Node
+
+
+@dataclasses.dataclass
+class TokenLoss:
+    """The loss after a vocab-parallel op: affine in sums over the rows of per-token math."""
+
+    summed: object
+    """The `summed_loss.SummedLoss`: the per-token nodes, their totals, the sink and coefficients."""
+    program: torch.fx.GraphModule
+    """`program(logprob, entropy, *sides) -> summands`, on values flattened to one per row."""
+    sides: list
+    """The outside nodes `program` reads after the op's outputs."""
+    per_row: list
+    """Per side: one value per row (True) or one value (False)."""
+
+
+def match_token_loss(op: torch.fx.Node, items: list, entropy_grad: bool, modes, order) -> TokenLoss | str:
+    """The loss math from the op's log-prob (and, with `entropy_grad`, entropy) items `items` on,
+    where it is affine in sums over the rows of math that maps each token's values to the token's
+    summands (`match_summed_loss`, and every value on the way one per row in the op's row order,
+    or one value), or why not."""
+    from graphpass.analysis.regions import source_of
+    from graphpass.analysis.summed_loss import match_summed_loss
+
+    outputs = items if entropy_grad else items[:1]
+    rows = recognize._val(outputs[0]).numel()
+    region = _OpOutputs([op, *items], list(outputs), {o: rowlocal.layout_of(recognize._val(o), rows)
+                                                      for o in outputs}, rows, op)
+    summed, why = match_summed_loss(region, modes, order)
+    if summed is None:
+        return why or "no output of the op carries a gradient"
+    graph = torch.fx.Graph()
+    env = {output: graph.placeholder(name) for output, name in zip(outputs, ("logprob", "entropy"))}
+    if len(outputs) == 1:
+        graph.placeholder("entropy")
+    sides, per_row = [], []
+    from_op = _closure([op], "users")
+
+    def per_token(val) -> bool:
+        return isinstance(val, torch.Tensor) and _torch_api.known_equal(val.numel(), rows)
+
+    def read(a):
+        if a not in env:
+            val = recognize._val(a)
+            if a in from_op:  # the entropy without its gradient, say: the op cannot read its own output
+                raise _NotPerToken(f"its loss math reads {a.name} at {source_of(a)}, computed from the op's outputs "
+                                   "without their gradient")
+            if not isinstance(val, torch.Tensor) or not (per_token(val) or _torch_api.known_equal(val.numel(), 1)):
+                raise _NotPerToken(f"its loss math reads {a.name} at {source_of(a)}, neither one value per token "
+                                   "nor one value")
+            env[a] = graph.placeholder(f"side{len(sides)}")
+            sides.append(a)
+            per_row.append(per_token(val))
+        return env[a]
+
+    try:
+        for node in summed.nodes:
+            val = recognize._val(node)
+            operands = [recognize._val(a) for a in node.all_input_nodes]
+            if not per_token(val) or not all(
+                    isinstance(v, torch.Tensor) and (tuple(v.shape) == tuple(val.shape) or
+                                                     _torch_api.known_equal(v.numel(), 1) or node.target in _FLAT_VIEWS)
+                    for v in operands):
+                raise _NotPerToken(f"{node.name} at {source_of(node)} is not token by token")
+            if node.target in _FLAT_VIEWS:
+                env[node] = read(node.args[0])
+            elif rowlocal.is_pointwise(node.target):
+                env[node] = graph.node_copy(node, read)
+            else:
+                raise _NotPerToken(f"its loss math computes {node.name} at {source_of(node)} with "
+                                   f"{getattr(node.target, '__name__', node.target)}, not token by token")
+    except _NotPerToken as e:
+        return str(e)
+    graph.output(tuple(env[s] for s in summed.summands))
+    return TokenLoss(summed, torch.fx.GraphModule(torch.nn.Module(), graph), sides, per_row)
+
+
+class _NotPerToken(Exception):
+    """The loss math after the op is not per-token math (the message says where)."""
