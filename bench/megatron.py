@@ -198,18 +198,20 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
     load.append(os.getloadavg()[0])
 
     _set_malloc(32 * 2**20, 64 * 2**20)  # time: malloc reuses freed temporaries (bench.tp.run_config)
-    times = {m: [] for m in spec.methods}
-    rank_times = {m: [] for m in spec.methods}
+
+    def another_round(rounds) -> bool:
+        """`bench.tp`'s rule: `min_steps` rounds at least, `steps` at most, while the next fits the budget."""
+        fits = sum(rounds) + statistics.median(rounds) <= spec.time_budget_s * len(spec.methods) if rounds else True
+        return len(rounds) < spec.min_steps or (len(rounds) < spec.steps and fits)
+
+    timed = {m: [] for m in spec.methods}  # per step: (this rank's seconds, the slowest rank's)
     rounds = []
-    budget = spec.time_budget_s * len(spec.methods)
-    while len(rounds) < spec.min_steps or (
-            len(rounds) < spec.steps and sum(rounds) + statistics.median(rounds) <= budget):
+    while another_round(rounds):
         for method in spec.methods:
-            mine, slowest = timed_step(method)
-            rank_times[method].append(mine)
-            times[method].append(slowest)
-        rounds.append(sum(times[m][-1] for m in spec.methods))
+            timed[method].append(timed_step(method))
+        rounds.append(sum(timed[m][-1][1] for m in spec.methods))
         load.append(os.getloadavg()[0])
+    times = {m: [slowest for _, slowest in timed[m]] for m in spec.methods}
 
     # One more step per method under the profiler: its collectives, and its loss and gradients
     # against eager's (eager runs first: its step is the reference).
@@ -220,7 +222,7 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
         result = out["methods"][method]
         values = [state["loss"].detach().double().reshape(1, 1), hidden.grad.detach(), layer.weight.grad.detach()]
         result.update(peak_bytes=max(result["peaks"]), time_s=statistics.median(times[method]), times=times[method],
-                      rank_times=rank_times[method], loss=values[0].item(), collectives=issued,
+                      rank_times=[mine for mine, _ in timed[method]], loss=values[0].item(), collectives=issued,
                       collectives_per_step=len(issued))
         if method == "eager":
             reference = [v.clone() for v in values]
@@ -375,13 +377,12 @@ def main(argv=None) -> int:
                         f"(the benchmark's own ranks: {TP})", ""] if loads else []),
                      *(e["line"] for e in accepted),
                      f"acceptance: {'PASS' if accepted and all(e['passed'] for e in accepted) else 'FAIL'}"]))
-    after = provenance()
-    before["changed_during_run"] = after != before
+    # Each spawn of ranks imports the working tree afresh: the record says if it changed meanwhile.
+    record = dict(machine=machine_description(), **before, changed_during_run=provenance() != before,
+                  command=sys.argv, tp=TP, wall_s=time.monotonic() - started, results=rows, acceptance=accepted)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(machine=machine_description(), **before, command=sys.argv, tp=TP,
-                                        wall_s=time.monotonic() - started, results=rows, acceptance=accepted),
-                                   indent=1, default=str) + "\n")
-    print(f"\nwrote {args.out} ({time.monotonic() - started:.0f} s)")
+    args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"\nwrote {args.out} ({record['wall_s']:.0f} s)")
     return 0
 
 

@@ -19,6 +19,7 @@ spawn (`_spawned`); the registration itself is checked in one process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import unittest.mock
 
@@ -260,29 +261,35 @@ def _ranks(rank, world):
         parallel_state.destroy_model_parallel()
 
 
-_CACHE: list = []
+@functools.cache
+def _results():
+    """The per-rank results of `_ranks`, or the error: spawned once per module."""
+    try:
+        return run_ranks(_ranks, WORLD, timeout_s=300)
+    except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
+        return error
 
 
 def _spawned():
-    """The per-rank results of `_ranks`, spawned once per module (a failure is kept too)."""
     pytest.importorskip("megatron.core")
-    if not _CACHE:
-        try:
-            _CACHE.append(run_ranks(_ranks, WORLD, timeout_s=300))
-        except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
-            _CACHE.append(error)
-    if isinstance(_CACHE[0], Exception):
-        raise _CACHE[0]
-    return _CACHE[0]
+    results = _results()
+    if isinstance(results, Exception):
+        raise results
+    return results
+
+
+def _per_rank(index):
+    """(rank, that rank's results of case `index`, what a failed assertion shows) per rank."""
+    for rank, result in enumerate(_spawned()):
+        r = result["cases"][index]
+        yield rank, r, (_case_id(CASES[index]), rank, r)
 
 
 # ---- tests ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
 def test_loss_and_every_gradient_match_eager_megatron_and_one_device(index):
     loss, dtype, sp, with_bias, variant, inner = CASES[index]
-    for rank, result in enumerate(_spawned()):
-        r = result["cases"][index]
-        where = (_case_id(CASES[index]), rank, r)
+    for _, r, where in _per_rank(index):
         assert r["fallbacks"] == [], where
         # megatron-core's cross-entropy computes in fp32 whatever its input: float64 parity is the slime loss's.
         tol = TOLERANCE[dtype]
@@ -296,9 +303,7 @@ def test_loss_and_every_gradient_match_eager_megatron_and_one_device(index):
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
 def test_the_output_layer_is_fused_into_one_graph_with_the_loss(index):
     loss, dtype, sp, with_bias, variant, inner = CASES[index]
-    for rank, result in enumerate(_spawned()):
-        r = result["cases"][index]
-        where = (_case_id(CASES[index]), rank, r)
+    for _, r, where in _per_rank(index):
         assert r["graphs"] == 1, where  # no graph break in megatron-core's layer
         (site,) = r["sites"]
         assert site["tp_size"] == WORLD and site["shape"][-1] == WIDTH, where
