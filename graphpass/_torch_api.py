@@ -339,3 +339,32 @@ def _first_line(reason: str) -> str:
     message = next((line.split("Message: ", 1)[1] for line in lines if "User-inserted graph break. Message: " in line),
                    None)
     return lines[0] if message in (None, "None") else message
+
+
+def substitute_in_graph_apply(function_cls: type, traceable) -> None:
+    """Make Dynamo trace `traceable(*args)` wherever traced code calls `function_cls.apply(*args)`
+    (an `autograd.Function`); eager calls, and every other use of the class, are unchanged.
+
+    `torch.compiler.substitute_in_graph` takes functions only, and Dynamo turns `apply` into its
+    autograd-Function op (the hand-written backward kept) before looking for polyfills: this is
+    the same mechanism (Dynamo's dispatch by object id, a guard on the class) for a Function.
+    Raises ValueError when the class already has a dispatch rule."""
+    from torch._dynamo.guards import GuardBuilder
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.builder import VariableBuilder
+    from torch._dynamo.variables.misc import AutogradFunctionVariable
+
+    class _StandInApply(AutogradFunctionVariable):
+        def call_method(self, tx, name, args, kwargs):
+            if name == "apply":
+                return tx.inline_user_function_return(VariableTracker.build(tx, traceable), list(args), dict(kwargs))
+            return super().call_method(tx, name, args, kwargs)
+
+    def dispatch(builder, value):
+        builder.install_guards(GuardBuilder.CLASS_MATCH)
+        return _StandInApply(value, source=builder.source)
+
+    rules = VariableBuilder._id_dispatch()
+    if id(function_cls) in rules:
+        raise ValueError(f"Duplicate dispatch rule for {function_cls}")
+    rules[id(function_cls)] = dispatch

@@ -19,9 +19,10 @@ log = logging.getLogger("graphpass")
 
 def register_available() -> None:
     """Register the stand-ins of every library that is imported now or will be (idempotent)."""
-    from graphpass.integrations import megatron
+    from graphpass.integrations import megatron, trl
 
     _when_imported(megatron.MODULE, megatron.register_for)
+    _when_imported(trl.MODULE, trl.register_for)
 
 
 def _when_imported(name: str, register) -> None:
