@@ -265,8 +265,9 @@ def test_matmul_of_batched_weights_is_not_a_head():
 
 
 def test_program_hooks_keep_the_base_loop():
-    """One chunk loop: the lm_head program overrides hooks, never the loop."""
-    for name in ("forward", "backward", "_chunks"):
+    """One row loop: the lm_head program overrides hooks, never the row loops (its backward adds a
+    schedule over vocabulary tiles, tests/test_lm_head_tiles.py, and hands row blocks to the base's)."""
+    for name in ("forward", "forward_with_gradients", "_chunks"):
         assert name not in vars(lm_head_op.LinearHeadProgram), name
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
+from graphpass.analysis.catalogue import is_deterministic_pointwise
 from graphpass.ops import peephole, row_sums
 
 aten = torch.ops.aten
@@ -57,6 +58,8 @@ class JointSplit:
               out slice of each wanted per-row input...) -> (grad of each wanted fixed-shape input...)
               writing each per-row input's gradient into its out slice.
     fused(active, wanted): both at once, without the saved values in between.
+    fused_saving(active, wanted): fused, also writing the row values a backward reads (see there).
+    column_tile(active, wanted): backward on a column tile of the wide inputs (`on_column_tile`).
     """
 
     def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs,
@@ -170,13 +173,58 @@ class JointSplit:
         once for both, where the split kernels read it twice."""
         return self._gradient_graph(active, wanted, with_forward=True)
 
-    def _gradient_graph(self, active, wanted, with_forward: bool) -> torch.fx.GraphModule:
+    def fused_saving(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
+        """`fused`, also writing what `backward(active, ...)` reads besides the arguments: each saved
+        row statistic and each active output's gradient, into out slices after the arguments:
+        (args..., out slice of each saved value..., of each active output's gradient...,
+        grad of each active output..., out slice of each wanted per-row input...) -> as `fused`.
+        So a second pass can compute more gradients from a column tile (`column_tile`) without the
+        forward's reductions. Raises RuntimeError if the fused trace does not compute every saved
+        value (its row sums factored differently)."""
+        return self._gradient_graph(active, wanted, with_forward=True, saving=True)
+
+    def column_tile(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
+        """`backward(active, wanted)` on a column tile of the wide inputs (see `on_column_tile`);
+        NotTileable if it reduces or moves values along the vocabulary."""
+        widths = {spec.shape[-1] for spec in self.args if spec.wide}
+        if len(widths) != 1:
+            raise NotTileable(f"its wide inputs differ in width ({sorted(widths)})")
+        vocab = widths.pop()
+        tiled = on_column_tile(self.backward(active, wanted), vocab)
+        self._check_on_a_tile(tiled, vocab)
+        return tiled
+
+    def _check_on_a_tile(self, tiled: torch.fx.GraphModule, vocab: int) -> None:
+        """Trace `tiled` on fake inputs one column narrower than the vocabulary: a shape the
+        rewrite missed fails here (NotTileable), never in a backward."""
+        fake_mode, rows = _torch_api.symbolic_rows_mode()
+        *placeholders, offset = tiled.graph.find_nodes(op="placeholder")
+        with fake_mode:
+            args = []
+            for node in placeholders:
+                val = node.meta["val"]
+                shape = [d if isinstance(d, int) else rows for d in val.shape]
+                if val.ndim == 2 and shape[-1] == vocab:
+                    shape[-1] = vocab - 1
+                args.append(torch.empty(shape, dtype=val.dtype, device=self.device))
+            args.append(torch.zeros((), dtype=torch.int64, device=self.device))
+            try:
+                _torch_api.trace_decomposed(tiled, args)
+            except Exception as e:  # noqa: BLE001 - any failure means: not on a tile
+                raise NotTileable(f"it does not run on a tile: {type(e).__name__}: {e}") from None
+        _torch_api.check_no_guards_on(fake_mode, rows)
+
+    def _gradient_graph(self, active, wanted, with_forward: bool, saving: bool = False) -> torch.fx.GraphModule:
         joint = self._trace(active, wanted)
         graph = torch.fx.Graph()
         primals, cotangents = self._placeholders(joint)
         env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(primals)}
-        if not with_forward:
+        if saving:
+            saved_slots = [_placeholder(graph, f"saved_out{i}", n) for i, n in enumerate(self._saved_examples)]
+            grad_slots = [_placeholder(graph, f"grad_out_copy{j}", n) for j, n in zip(active, cotangents)]
+        if saving or not with_forward:
             ids = self._ids.of_graph(joint.graph)
+        if not with_forward:
             saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
         env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, cotangents)})
         in_place = [i for i in wanted if self.args[i].per_row]
@@ -194,11 +242,102 @@ class JointSplit:
         grads = dict(zip(wanted, results[self.n_outputs:]))
         for i in in_place:
             graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
+        if saving:
+            computed = {}
+            for node in joint.graph.nodes:
+                position = self._saved_ids.get(ids[node]) if node.op == "call_function" else None
+                if position is not None and node not in backward_nodes:
+                    computed.setdefault(position, node)
+            missing = [k for k in range(len(saved_slots)) if k not in computed]
+            if missing:
+                raise RuntimeError(f"graphpass: the fused trace does not compute the saved values {missing}")
+            for k, slot in enumerate(saved_slots):
+                graph.call_function(aten.copy_.default, (slot, env[computed[k]]))
+            for slot, cotangent in zip(grad_slots, cotangents):
+                graph.call_function(aten.copy_.default, (slot, env[cotangent]))
         outputs = [env[n] for n in results[:self.n_outputs]] if with_forward else []
         graph.output(tuple(outputs + [env[grads[i]] for i in wanted if i not in out_slices]))
         graph.eliminate_dead_code()
         peephole.optimize(graph)
         return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+class NotTileable(Exception):
+    """A gradient graph that cannot run on a column tile of its wide inputs; the message says why."""
+
+
+# Ops that give each column of their output from the same column of their inputs (with
+# broadcasting over rows), besides the pointwise-tagged ones.
+_COLUMN_WISE = frozenset({aten.where.ScalarOther, aten.where.Scalar, aten.masked_fill.Tensor})
+# Ops whose shape argument may name the vocabulary: retargeted to the tile's width.
+_SHAPED = frozenset({aten.expand.default, aten.full.default})
+
+
+def on_column_tile(graph_module: torch.fx.GraphModule, vocab: int) -> torch.fx.GraphModule:
+    """The gradient graph `graph_module`, whose wide values are `[rows, vocab]`, on one column tile:
+    each placeholder whose last dim is `vocab` takes the tile's columns instead, a last placeholder
+    `column_offset` (a 0-d int64 tensor) is the tile's first column, and the width is the tile's.
+
+    Sound only when every value indexed by column is computed column by column, so this checks it
+    on every node, with no exception: from a column-indexed value, only pointwise ops, `where`,
+    casts (`_to_copy`) and the copy into an out slice; `arange(vocab)` (the gather's backward,
+    `peephole`) becomes `arange(width) + column_offset`; `expand` and `full` to `[*, vocab]` take
+    the width. Anything else that reads a column (a reduction, a gather, a view) or names the
+    vocabulary in a shape raises NotTileable, as does a graph that returns a value (a gradient
+    summed over rows). The row values the graph reads (its saved statistics) make every reduction
+    over the vocabulary unnecessary; one that remains is refused here, never computed per tile.
+    """
+    if vocab < 2:
+        raise NotTileable("a vocabulary of one column")
+    graph = torch.fx.Graph()
+    env, column = {}, set()
+    for node in graph_module.graph.find_nodes(op="placeholder"):
+        env[node] = _placeholder(graph, node.name, node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.ndim == 2 and val.shape[-1] == vocab:
+            column.add(node)
+    if not column:
+        raise NotTileable("no input is indexed by column")
+    offset = graph.placeholder("column_offset")
+    width = graph.call_function(aten.sym_size.int, (env[next(iter(column))], 1))
+    for node in graph_module.graph.nodes:
+        if node.op == "output":
+            if any(isinstance(a, torch.fx.Node) for a in node.all_input_nodes):
+                raise NotTileable("it returns a gradient summed over rows")
+            graph.output(())
+        elif node.op == "call_function":
+            env[node] = _tile_node(graph, node, env, column, vocab, width, offset)
+    graph.lint()
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _tile_node(graph, node, env, column, vocab, width, offset):
+    """`node` copied into the tile's graph (adding it to `column` if its value is indexed by column)."""
+    target, reads = node.target, any(a in column for a in node.all_input_nodes)
+    if target is aten.arange.default and node.args == (vocab,):
+        if not node.kwargs.get("dtype", torch.int64) in (torch.int64, torch.int32):
+            raise NotTileable(f"{node.name} is a non-integer arange over the vocabulary")
+        column.add(node)
+        return graph.call_function(aten.add.Tensor, (graph.call_function(target, (width,), dict(node.kwargs)), offset))
+    sizes = [i for i, a in enumerate(node.args) if isinstance(a, (list, tuple)) and vocab in a]
+    if sizes:
+        if target not in _SHAPED or len(sizes) > 1 or vocab in node.args[sizes[0]][:-1]:
+            raise NotTileable(f"{node.name} ({target}) has the vocabulary in its shape")
+        column.add(node)
+        args = list(torch.fx.node.map_arg(node.args, env.__getitem__))
+        args[sizes[0]] = [*args[sizes[0]][:-1], width]
+        return graph.call_function(target, tuple(args), dict(node.kwargs))
+    if reads:
+        if target is aten.sym_size.int and node.args[1] == 0:
+            return graph.node_copy(node, lambda a: env[a])
+        out_slice = target is aten.copy_.default and node.args[0] in column and node.args[0].op == "placeholder"
+        cast = target is aten._to_copy.default and node.kwargs.get("layout") in (None, torch.strided)
+        if not (out_slice or cast or target in _COLUMN_WISE or is_deterministic_pointwise(target)):
+            raise NotTileable(f"{node.name} ({target}) reduces or moves values along the vocabulary")
+        column.add(node)
+    elif torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+        raise NotTileable(f"{node.name} ({target}) draws random numbers: each tile would draw others")
+    return graph.node_copy(node, lambda a: env[a])
 
 
 def _placeholder(graph, name, like):

@@ -2,34 +2,54 @@
 
 `LinearHeadProgram` is a `RegionProgram` whose wide input is not a tensor but a product: the op
 takes `hidden [*rows, H]` where the region read the logits, and the weight (and bias) after the
-region's own inputs. The base class's chunk loops are unchanged; this class only says what a
-chunk's wide value is and where its gradient goes:
+region's own inputs. The base class's row loops are unchanged; this class says what a chunk's
+wide value is and where its gradient goes, and adds one schedule of its own, over vocabulary tiles:
 
 - forward, per chunk: `logits_c = hidden_c @ W.T (+ b)`, then the region's forward kernel (its
   outputs and O(rows) row statistics, as for logits given as a tensor);
-- backward, per block of rows: the block's logits recomputed the same way; the region's backward
+- row blocks (the base's loop): per block of rows, the block's logits; the region's gradient
   kernel, per chunk of the block (an eighth), writes the chunk's `dlogits` into one scratch
   buffer, copied back over the chunk's logits it has just read; then `dhidden[block] = dlogits @ W`
-  in place and `dW += dlogits.T @ hidden[block]` (and `db += dlogits.sum(0)`) into fp32
-  accumulators, one buffer each, converted to the weight's dtype once at the end (for an fp32
-  weight the accumulator is the gradient).
+  (complete: one GEMM over the whole vocabulary) and `dW += dlogits.T @ hidden[block]` (and
+  `db += dlogits.sum(0)`) into fp32 accumulators, converted to the weight's dtype at the end (for
+  an fp32 weight the accumulator is the gradient itself);
+- vocabulary tiles (`_tile_pass`): the weight's gradient needs no accumulator when the tiles are
+  outermost. Each row's statistics being known (saved by the forward), a column-tile kernel
+  (`JointSplit.column_tile`, refused for a program that reduces along the vocabulary in backward)
+  gives a tile's `dlogits` for all rows, so `dW[tile] = dlogits.T @ hidden` is complete in one
+  GEMM and written once in the weight's dtype; `dhidden` then accumulates over tiles, `[rows, H]`.
 
-So the backward's peak is the two gradients plus a block and an eighth of `[rows, V]` (and for a
-bf16 weight its fp32 accumulator, twice the gradient's bytes); a bf16 weight is multiplied as it
-is, never copied to fp32. That backward does four GEMMs (forward, the recompute, dhidden, dW) where
-code that keeps the logits does three. Where the loss is one sum of per-token terms, the op
-computes the gradients in its forward instead (`RegionProgram.forward_with_gradients`, the same
-blocks and sinks while each block's logits are at hand): three GEMMs, and the same peak.
+Which gradient accumulates is chosen by shapes: the backward (a loss outside the op) takes tiles
+when the weight needs a gradient, no other input does and rows <= V (the hidden states'
+accumulator is the smaller); else row blocks. Where the loss is one sum of per-token terms the
+op computes the gradients in its forward (`RegionProgram.forward_with_gradients`): one pass over
+row blocks, three GEMMs. For a weight narrower than fp32 its fp32 accumulator would be twice its
+gradient, so that forward makes two passes instead (four GEMMs, no accumulator): row blocks for
+`dhidden` (complete per block) whose fused kernel also writes each row's statistics
+(`JointSplit.fused_saving`), then vocabulary tiles for `dW` (complete per tile).
+
+Peak beyond the gradients: a block (or a tile) of `[rows, V]` and an eighth, plus the accumulator
+(none in two passes; `[V, H]` or `[rows, H]` fp32 for a narrower weight); a bf16 weight is
+multiplied as it is, never copied to fp32, except on the CPU where an accumulating product is
+computed in fp32 (`devices.mm_into`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from graphpass.ops import devices
-from graphpass.ops.chunked_op import _TEMPORARIES_PER_CHUNK, RegionProgram
+from graphpass.ops.chunked_op import _TEMPORARIES_PER_CHUNK, BCAST, WIDE, RegionProgram, _empty_gradient
+from graphpass.ops.joint import NotTileable
+
+log = logging.getLogger("graphpass")
+
+# Vocabulary entries per tile at least: narrower tiles make GEMMs that stream the hidden states
+# once per few columns.
+_MIN_TILE_COLUMNS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,43 +73,63 @@ class LinearHeadProgram(RegionProgram):
     def __init__(self, graph_module, inputs, outputs, *, head: HeadSpec, **kwargs):
         self.head = head  # before the base's __init__: the content key includes it
         super().__init__(graph_module, inputs, outputs, **kwargs)
+        # The fused kernels (by wanted inputs) that also write the row values of a second pass
+        # over vocabulary tiles (`prepare_gradients_in_forward`).
+        self._saving_wanted: set[tuple[int, ...]] = set()
+        self.tile_reasons: dict[tuple[int, ...], str] = {}
+        """Why no column-tile kernel exists for these active outputs (`JointSplit.column_tile`)."""
 
     def _identity(self) -> tuple:
         return (*super()._identity(), self.head)
 
     # ---- sizes -------------------------------------------------------------------------
     # The backward multiplies blocks of rows (its GEMMs are faster for more rows) and runs the
-    # region's kernel on quarter blocks: the kernel writes a quarter block's dlogits into a scratch
-    # buffer, copied back over the logits it has just read, so one block plus a quarter is alive.
+    # region's kernel on eighths of blocks: the kernel writes an eighth's dlogits into a scratch
+    # buffer, copied back over the logits it has just read, so one block plus an eighth is alive.
+    # Vocabulary tiles are split the same way, into eighths of their rows.
     SUB_CHUNKS = 8
 
     def floor_bytes(self, rows: int, vocab: int, itemsize: int) -> int:
         """Bytes of the gradients the backward must produce: hidden's and the weight's."""
         return (rows + vocab) * self.head.hidden_size * itemsize
 
+    def _budget(self, rows: int, vocab: int, itemsize: int, backward: bool) -> int:
+        """Bytes for temporaries: a fifth of the floor in backward (on top of the gradients), half
+        in forward (before any gradient exists), and at least `chunk_budget_bytes`."""
+        return max(self.chunk_budget_bytes, self.floor_bytes(rows, vocab, itemsize) // (5 if backward else 2))
+
     def block_rows(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
-        """Rows per matmul: the configured chunk size, else what keeps the temporaries within a
-        share of the floor: a fifth in backward (a block and a quarter of `[rows, V]`, on top of
-        the gradients), half in forward (one block, before any gradient exists)."""
+        """Rows per matmul: the configured chunk size, else what keeps a block's temporaries
+        within the budget (`_budget`)."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
-        floor = self.floor_bytes(rows, vocab, grad_itemsize)
-        budget = max(self.chunk_budget_bytes, floor // (5 if backward else 2))
-        per_row = vocab * self._bytes_per_row(grad_itemsize, backward)
-        block = max(1, min(rows, int(budget // per_row)))
+        per_row = vocab * self._bytes_per_element(grad_itemsize, backward, self._weight_upcast(grad_itemsize))
+        block = max(1, min(rows, int(self._budget(rows, vocab, grad_itemsize, backward) // per_row)))
         return block - block % 32 if block >= 64 else block  # whole GEMM panels
 
-    def _bytes_per_row(self, itemsize: int, backward: bool) -> float:
-        """Temporary bytes per row of a block, per vocabulary entry."""
+    def tile_columns(self, rows: int, vocab: int, itemsize: int, upcast: bool) -> int:
+        """Vocabulary entries per tile of all `rows`: what keeps the tile's logits and scratch
+        (and with `upcast` their fp32 copy, `devices.mm_into`) within the backward's budget,
+        rounded down to a power of two (each width compiles the tile kernel once, so counts of rows
+        within a factor of two share it), at least `_MIN_TILE_COLUMNS`."""
+        per_column = max(rows, 1) * self._bytes_per_element(itemsize, True, upcast)
+        fits = max(1, int(self._budget(rows, vocab, itemsize, True) // per_column))
+        return min(vocab, max(_MIN_TILE_COLUMNS, 1 << (fits.bit_length() - 1)))
+
+    def _weight_upcast(self, itemsize: int) -> bool:
+        """Whether a block's weight-gradient product is computed from fp32 copies: on the CPU, for
+        a weight narrower than fp32 whose gradient accumulates over row blocks."""
+        return itemsize < 4 and not self._saving_wanted and devices.host_reads_are_free(self.device)
+
+    def _bytes_per_element(self, itemsize: int, backward: bool, upcast: bool) -> float:
+        """Temporary bytes per element of a block (or tile) of `[rows, V]`."""
         kernel = 4 * _TEMPORARIES_PER_CHUNK[self.inner] / (self.SUB_CHUNKS if backward else 1)
         if not backward:
             return itemsize + kernel
-        # The block's fp32 copy for the weight's gradient, on the CPU only (`devices.mm_into`).
-        upcast = 4 if itemsize < 4 and devices.host_reads_are_free(self.device) else 0
-        return itemsize * (1 + 1 / self.SUB_CHUNKS) + upcast + kernel
+        return itemsize * (1 + 1 / self.SUB_CHUNKS) + (4 if upcast else 0) + kernel
 
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
-        """Rows per call of the region's kernel: a block in forward, a quarter block in backward."""
+        """Rows per call of the region's kernel: a block in forward, an eighth of a block in backward."""
         block = self.block_rows(rows, vocab, grad_itemsize, backward)
         return max(1, -(-block // self.SUB_CHUNKS)) if backward else block
 
@@ -97,14 +137,32 @@ class LinearHeadProgram(RegionProgram):
         return self.rows_per_chunk(rows, vocab, tensors[self.head.weight].element_size(), backward)
 
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
-        """Transient bytes while the op runs, beyond its inputs, outputs and the gradients it returns:
-        the block's logits (in backward also the kernel's scratch, a bf16 block's fp32 copy and, for
-        a weight that is not fp32, the weight's fp32 accumulator)."""
+        """Transient bytes while the op runs, beyond its inputs, outputs and the gradients it returns,
+        in the schedule it takes when the head's operands, and nothing else, need gradients: a
+        block's logits (in backward also the kernel's scratch, on the CPU a block's fp32 copy and a
+        narrower weight's fp32 accumulator), or a tile's (and the hidden states' accumulator)."""
         block = self.block_rows(rows, vocab, grad_itemsize, backward)
-        total = int(block * vocab * self._bytes_per_row(grad_itemsize, backward))
-        if backward and grad_itemsize < 4:
-            total += vocab * self.head.hidden_size * 4
-        return total
+        upcast = backward and self._weight_upcast(grad_itemsize)
+        blocks = int(block * vocab * self._bytes_per_element(grad_itemsize, backward, upcast))
+        if not backward:
+            return blocks
+        if self._saving_wanted:  # row blocks, then tiles; the row values in between
+            width = self.tile_columns(rows, vocab, grad_itemsize, upcast=False)
+            tile = int(rows * width * self._bytes_per_element(grad_itemsize, True, False))
+            return max(blocks, tile) + rows * 4 * (len(self.split.saved) + sum(o.width for o in self.outputs))
+        narrow = grad_itemsize < 4
+        active = tuple(j for j, spec in enumerate(self.outputs) if spec.keeps_grad)
+        if self._fused or not active or self._tiles_reason(rows, vocab, active) is not None:
+            return blocks + (vocab * self.head.hidden_size * 4 if narrow else 0)
+        upcast = narrow and devices.host_reads_are_free(self.device)
+        width = self.tile_columns(rows, vocab, grad_itemsize, upcast)
+        tile = int(rows * width * self._bytes_per_element(grad_itemsize, True, upcast))
+        return tile + ((rows + (width if upcast else 0)) * self.head.hidden_size * 4 if narrow else 0)
+
+    @property
+    def _fused(self) -> bool:
+        """Whether the program computes its gradients in forward (its backward never runs)."""
+        return any(spec.reduction is not None for spec in self.outputs)
 
     # ---- layout ------------------------------------------------------------------------
     def _layout(self, tensors):
@@ -119,25 +177,27 @@ class LinearHeadProgram(RegionProgram):
             views.append(t.reshape(rows, t.shape[-1]))
         return rows, vocab, [(0, rows, views)]
 
-    def _logits(self, tensors, hidden_chunk, out=None):
-        """`hidden_chunk @ W.T (+ b)`, into `out` ([rows, V]) when given."""
+    def _logits(self, tensors, hidden_chunk, out=None, columns: slice | None = None):
+        """`hidden_chunk @ W.T (+ b)`, into `out` when given; with `columns`, those logits only."""
         head = self.head
         weight = tensors[head.weight]
         bias = tensors[head.bias] if head.bias is not None else None
-        if hidden_chunk.device.type == "cpu":
-            return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
-        right = weight if head.weight_transposed else weight.t()
+        if columns is None:
+            if hidden_chunk.device.type == "cpu":
+                return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
+            columns = slice(None)
+        right = weight[:, columns] if head.weight_transposed else weight[columns].t()
         if bias is None:
             return torch.mm(hidden_chunk, right, out=out)
-        return torch.addmm(bias, hidden_chunk, right, out=out)
+        return torch.addmm(bias[columns], hidden_chunk, right, out=out)
 
     def _kernel_args(self, tensors, args, sl, sinks=()):
         args = list(args)
         head_sinks = [sink for sink in sinks if isinstance(sink, _HeadGradients)]
-        if head_sinks:  # backward: a view of the recomputed block
+        if head_sinks:  # a view of the recomputed block; a saving kernel's slots after the arguments
             args[self.head.position] = head_sinks[0].logits(sl)
-        else:
-            args[self.head.position] = self._logits(tensors, args[self.head.position])
+            return args + head_sinks[0].row_value_slots(sl)
+        args[self.head.position] = self._logits(tensors, args[self.head.position])
         return args
 
     def _kernel_wanted(self, needs_grad) -> tuple[int, ...]:
@@ -152,7 +212,125 @@ class LinearHeadProgram(RegionProgram):
         if i != self.head.position:
             return super()._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk)
         block = self.block_rows(rows, vocab, tensors[self.head.weight].element_size())
-        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block)
+        saving = self._kernel_wanted(needs_grad) in self._saving_wanted
+        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block, saving)
+
+    # ---- vocabulary tiles ----------------------------------------------------------------
+    def prepare_gradients_in_forward(self, needs_grad) -> None:
+        """As the base's; for a weight narrower than fp32 whose gradient is wanted, the fused
+        kernel also writes the row values (`JointSplit.fused_saving`) and the column-tile kernel
+        is traced too, for the two passes of the module doc (each traced now, where autograd runs).
+        A program whose kernels do not trace so takes one pass, the reason in `tile_reasons`."""
+        head, wanted = self.head, self._kernel_wanted(needs_grad)
+        key = ("fused", self.total_positions, wanted)
+        narrow = self.inputs[head.position].dtype.itemsize < 4
+        if narrow and needs_grad[head.weight] and key not in self._gradient_kernels and key not in self._traced:
+            why = self._tile_kernel(self.total_positions)
+            if why is None:
+                try:
+                    self._traced[key] = self.split.fused_saving(*key[1:])
+                    self._saving_wanted.add(wanted)
+                except RuntimeError as e:
+                    self.tile_reasons[self.total_positions] = why = str(e)
+            if why is not None:
+                log.info("graphpass: the lm_head's weight gradient accumulates over row blocks: %s", why)
+        super().prepare_gradients_in_forward(needs_grad)
+
+    def _tile_kernel(self, active) -> str | None:
+        """Trace the column-tile kernel for these active outputs unless it exists; None, or why
+        there is none (cached in `tile_reasons`)."""
+        key = ("column_tile", active, (self.head.position,))
+        if active in self.tile_reasons or key in self._gradient_kernels or key in self._traced:
+            return self.tile_reasons.get(active)
+        try:
+            self._traced[key] = self.split.column_tile(*key[1:])
+        except NotTileable as e:
+            self.tile_reasons[active] = f"its backward does not run on a vocabulary tile: {e}"
+        return self.tile_reasons.get(active)
+
+    def _tiles_reason(self, rows: int, vocab: int, active, needs_grad=None) -> str | None:
+        """Why the backward takes row blocks, not vocabulary tiles (None: tiles). Without
+        `needs_grad`: as when the head's operands, and nothing else, need gradients."""
+        head = self.head
+        if needs_grad is not None and not needs_grad[head.weight]:
+            return "the weight needs no gradient: nothing accumulates over row blocks"
+        if needs_grad is not None and self._kernel_wanted(needs_grad) != (head.position,):
+            return "another input of the region needs a gradient; the column-tile kernel gives the logits' only"
+        if rows > vocab:
+            return "more rows than vocabulary entries: the weight's accumulator is the smaller"
+        return self._tile_kernel(active)
+
+    def backward(self, tensors, saved, needs_grad, grad_outputs):
+        """The base's row blocks, or vocabulary tiles where `_tiles_reason` allows: `dW` complete
+        tile by tile, `dhidden` accumulated (in fp32 for a narrower dtype)."""
+        active = self._active_outputs(grad_outputs)
+        rows, vocab, _ = self._layout(tensors)
+        if not active or self._tiles_reason(rows, vocab, active, needs_grad) is not None:
+            return super().backward(tensors, saved, needs_grad, grad_outputs)
+        head = self.head
+        hidden, weight = tensors[head.position], tensors[head.weight]
+        grads = [None] * len(tensors)
+        hidden_acc = None
+        if needs_grad[head.position]:
+            grads[head.position] = _empty_gradient(hidden)
+            hidden_acc = grads[head.position].view(rows, head.hidden_size)
+            acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+            if acc_dtype != hidden.dtype:
+                hidden_acc = torch.empty(hidden_acc.shape, dtype=acc_dtype, device=hidden.device)
+        grads[head.weight] = _empty_gradient(weight)
+        if head.bias is not None and needs_grad[head.bias]:
+            grads[head.bias] = _empty_gradient(tensors[head.bias])
+        flat_grad_outputs = [grad_outputs[j].reshape(rows, self.outputs[j].width) for j in active]
+        self._tile_pass(tensors, active, [*saved, *flat_grad_outputs], grads[head.weight], grads[head.bias]
+                        if head.bias is not None else None, hidden_acc)
+        if hidden_acc is not None and hidden_acc.dtype != hidden.dtype:
+            grads[head.position].view(hidden_acc.shape).copy_(hidden_acc)
+        return grads
+
+    def _tile_pass(self, tensors, active, row_values, weight_grad, bias_grad=None, hidden_acc=None) -> None:
+        """The head's gradients over vocabulary tiles, all rows at once. Per tile: its logits; the
+        column-tile kernel for `active` (row values: the saved statistics and the active outputs'
+        gradients) on each eighth of the rows, into a scratch copied back over the logits just
+        read; then `weight_grad[tile] = dlogits.T @ hidden` (one GEMM over all rows: complete),
+        `bias_grad[tile] = dlogits.sum(0)` and `hidden_acc += dlogits @ W[tile]`."""
+        head = self.head
+        rows, vocab, blocks = self._layout(tensors)
+        hidden = tensors[head.position].reshape(rows, head.hidden_size)
+        weight = tensors[head.weight]
+        kernel = self._get_gradient_kernel("column_tile", active, (head.position,))
+        upcast = hidden_acc is not None and hidden_acc.dtype != hidden.dtype and devices.host_reads_are_free(hidden.device)
+        width = self.tile_columns(rows, vocab, hidden.element_size(), upcast)
+        chunk = self.chunk_size or max(1, -(-rows // self.SUB_CHUNKS))
+        # Flat buffers, viewed as each tile's [rows, width]: the last tile's views stay contiguous.
+        tile = torch.empty(rows * width, dtype=hidden.dtype, device=hidden.device)
+        scratch = torch.empty(min(chunk, rows) * width, dtype=hidden.dtype, device=hidden.device)
+        offsets = torch.arange(0, vocab, width, device=hidden.device)  # 0-d views: no host value per tile
+        for k, start in enumerate(range(0, vocab, width)):
+            columns = slice(start, min(vocab, start + width))
+            n = columns.stop - start
+            logits = self._logits(tensors, hidden, out=tile[:rows * n].view(rows, n), columns=columns)
+            for sl, args in self._chunks(tensors, rows, blocks, chunk):
+                args = [logits[sl] if i == head.position else _columns(a, spec, vocab, columns)
+                        for i, (a, spec) in enumerate(zip(args, self.inputs))]
+                out = scratch[:(sl.stop - sl.start) * n].view(-1, n)
+                kernel(*args, *[v[sl] for v in row_values], out, offsets[k])
+                logits[sl].copy_(out)
+            if head.weight_transposed:  # dW [H, V]: its tile's columns
+                torch.mm(hidden.t(), logits, out=weight_grad[:, columns])
+            else:
+                torch.mm(logits.t(), hidden, out=weight_grad[columns])
+            if bias_grad is not None:
+                bias_grad[columns] = logits.sum(0, dtype=torch.promote_types(logits.dtype, torch.float32))
+            if hidden_acc is not None:
+                right = weight[:, columns].t() if head.weight_transposed else weight[columns]
+                devices.mm_into(hidden_acc, logits, right, accumulate=k > 0)
+
+
+def _columns(arg, spec, vocab: int, columns: slice):
+    """A kernel argument's part on a vocabulary tile: a wide or `[1, V]` input's columns."""
+    if spec.role == WIDE or (spec.role == BCAST and spec.width == vocab):
+        return arg[:, columns]
+    return arg
 
 
 # Vocabulary entries per tile of `_logits_by_vocab_tiles`: a tile's `[tile, rows]` product stays
@@ -184,9 +362,10 @@ class _HeadGradients:
     the kernel's chunks within it, each writing its dlogits into a scratch buffer that is copied
     back over the chunk's (consumed) logits; then, with the block's dlogits complete,
     `dhidden[block] = dlogits @ W` in place and `dW += dlogits.T @ hidden[block]`,
-    `db += dlogits.sum(0)` into fp32 accumulators."""
+    `db += dlogits.sum(0)` into fp32 accumulators; or, after a saving kernel, `dW` over
+    vocabulary tiles once every block ran (`LinearHeadProgram._tile_pass`)."""
 
-    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block):
+    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block, saving=False):
         head = self.head = program.head
         self.program, self.tensors = program, tensors
         hidden, weight = tensors[head.position], tensors[head.weight]
@@ -203,7 +382,18 @@ class _HeadGradients:
             self.hidden_flat = self.hidden_grad.view(rows, hidden.shape[-1])
         # fp32 at least: a float64 weight sums in float64.
         self.acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        if needs_grad[head.weight]:
+        # A saving kernel (`LinearHeadProgram.prepare_gradients_in_forward`) writes each row's
+        # statistics and the outputs' gradients here; then `finish` computes the weight's gradient
+        # over vocabulary tiles, with no accumulator.
+        self.row_values = []
+        if saving:
+            device = hidden.device
+            self.row_values = [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device)
+                               for spec in program.split.saved]
+            self.row_values += [torch.empty(rows, program.outputs[j].width, dtype=program.outputs[j].dtype,
+                                            device=device) for j in program.total_positions]
+        self.weight_by_tiles = saving and needs_grad[head.weight]
+        if needs_grad[head.weight] and not saving:
             # Written by the first block's product, accumulated into by the others.
             self.weight_acc = torch.empty(weight.shape, dtype=self.acc_dtype, device=weight.device)
         if head.bias is not None and needs_grad[head.bias]:
@@ -226,6 +416,10 @@ class _HeadGradients:
 
     def slot(self, sl):
         return self.scratch[:sl.stop - sl.start]
+
+    def row_value_slots(self, sl) -> list:
+        """Where a saving kernel writes the chunk's row values (none for another kernel)."""
+        return [v[sl] for v in self.row_values]
 
     def take(self, sl, args):
         # The chunk's logits are read; its dlogits take their place in the block.
@@ -262,6 +456,9 @@ class _HeadGradients:
         if self.first_block and self.weight_acc is not None:  # no rows at all: nothing was written
             self.weight_acc.zero_()
         head = self.head
+        if self.weight_by_tiles:
+            grads[head.weight] = _empty_gradient(self.weight)
+            self.program._tile_pass(self.tensors, self.program.total_positions, self.row_values, grads[head.weight])
         if self.hidden_grad is not None:
             grads[head.position] = self.hidden_grad
         if self.weight_acc is not None:

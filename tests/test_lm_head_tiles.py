@@ -1,0 +1,326 @@
+"""The lm_head's gradients over vocabulary tiles (`graphpass.ops.lm_head`, `JointSplit.column_tile`).
+
+Every schedule against eager and float64, values and every input's gradient: the recomputing
+backward over tiles (`dW` complete per tile, `dhidden` accumulated), gradients in forward in two
+passes for a bf16 weight (row blocks for `dhidden`, then tiles for `dW`) and in one for fp32; a
+vocabulary of 300 is a tile of 256 and one of 44. Bias, an `[H, V]` weight, tied embeddings,
+vocabulary and per-token masks, temperature, a loss outside the compiled function (entropy
+gradient zero or not). What is not tile-able (`Categorical.entropy`'s clamp, cross-entropy's
+`nll_loss`) keeps the row blocks, with the reason; and
+`on_column_tile` refuses, node by node, whatever reads along the vocabulary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import graphpass
+from graphpass.ops import chunked_op
+from graphpass.ops.joint import NotTileable, on_column_tile
+
+T, H, V = 13, 8, 300
+# A small budget: tiles of 256 columns (the least), so V=300 makes two, the second of 44.
+OPTIONS = dict(chunk_size=4, chunk_budget_bytes=4096, inner="aot_eager")
+
+
+def _up(x):
+    """The user's `.float()`, a no-op on the float64 reference."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def ppo(hidden, weight, tokens, old_logp, adv, mask, temperature=0.7):
+    lsm = torch.log_softmax(_up(F.linear(hidden, weight)) / temperature, -1)
+    logp = lsm.gather(-1, tokens[:, None]).squeeze(-1)
+    entropy = -(lsm.exp() * lsm).sum(-1)
+    ratio = torch.exp(logp - old_logp)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    return ((pg - 0.01 * entropy) * mask).sum() / mask.sum()
+
+
+def with_bias(hidden, weight, tokens, old_logp, adv, mask, bias):
+    lsm = torch.log_softmax(_up(F.linear(hidden, weight, bias)), -1)
+    logp = lsm.gather(-1, tokens[:, None]).squeeze(-1)
+    entropy = -(lsm.exp() * lsm).sum(-1)
+    return -(logp * mask).sum() + 0.1 * (entropy * adv).sum()
+
+
+def categorical(hidden, weight, tokens, old_logp, adv, mask):
+    """`Categorical.entropy` clamps its normalised logits: its backward sums a clamped product
+    over the vocabulary, which the forward's statistics do not give."""
+    logits = _up(F.linear(hidden, weight))
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return -(logp * mask).sum() + 0.1 * (torch.distributions.Categorical(logits=logits).entropy() * adv).sum()
+
+
+def cross_entropy(hidden, weight, tokens, old_logp, adv, mask):
+    """`nll_loss_forward` / `nll_loss_backward` are not decomposed in the kernels' traces: a
+    gather and a scatter along the vocabulary."""
+    return F.cross_entropy(_up(F.linear(hidden, weight)), tokens)
+
+
+def weight_hv(hidden, weight_hv, tokens, old_logp, adv, mask):
+    logp = torch.log_softmax(_up(hidden @ weight_hv), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return -(logp * mask).mean()
+
+
+def tied(ids, weight, tokens, old_logp, adv, mask):
+    return ppo(torch.tanh(F.embedding(ids, weight)), weight, tokens, old_logp, adv, mask)
+
+
+VOCAB_MASK = torch.zeros(V, dtype=torch.bool)
+VOCAB_MASK[-7:] = True  # padded vocabulary entries
+
+
+def masked(hidden, weight, tokens, old_logp, adv, mask, temperature):
+    logits = _up(F.linear(hidden, weight)).masked_fill(VOCAB_MASK, float("-inf")) / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return -(logp * mask).sum() / mask.sum()
+
+
+def token_masked(hidden, weight, tokens, old_logp, adv, mask, allowed):
+    logits = _up(F.linear(hidden, weight)).masked_fill(~allowed, float("-inf"))
+    return -(torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1) * adv).sum()
+
+
+def _batch(dtype, *, rows=T, vocab=V, weight_shape=None, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(*(weight_shape or (vocab, H)), generator=g) / H ** 0.5).to(dtype).requires_grad_()
+    tokens = torch.randint(0, vocab - 7, (rows,), generator=g)
+    old_logp = -torch.rand(rows, generator=g) * 3 - 4
+    adv = torch.randn(rows, generator=g)
+    mask = (torch.rand(rows, generator=g) < 0.8).float()
+    tensors = [hidden, weight, tokens, old_logp, adv, mask]
+    if bias:
+        tensors.append((torch.randn(vocab, generator=g) * 0.1).to(dtype).requires_grad_())
+    return tensors
+
+
+def _clone(tensors, dtype=None):
+    out = []
+    for t in tensors:
+        c = t.detach().clone()
+        if dtype is not None and c.is_floating_point():
+            c = c.to(dtype)
+        out.append(c.requires_grad_(t.requires_grad))
+    return out
+
+
+def _grads(fn, tensors, kwargs):
+    loss = fn(*tensors, **kwargs)
+    loss.backward()
+    return [loss.detach()] + [t.grad for t in tensors if t.requires_grad]
+
+
+def _check(fn, tensors, *, kwargs=None, compile_fn=None, **options):
+    """Compiled, eager and float64: loss and every gradient; the compiled as close to float64 as
+    eager is (bf16: within 1.5 x eager's error, fp32: within 1e-5 of eager). Returns the records."""
+    kwargs = kwargs or {}
+    backend = graphpass.Backend(**{**OPTIONS, **options})
+    compiled = (compile_fn or (lambda f: torch.compile(f, backend=backend)))(fn)
+    ours = _grads(compiled, tensors, kwargs)
+    eager = _grads(fn, _clone(tensors), kwargs)
+    exact = _grads(fn, _clone(tensors, torch.float64), kwargs)
+    bf16 = tensors[0].dtype == torch.bfloat16
+    for a, b, x in zip(ours, eager, exact):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        ours_err, eager_err = (a.double() - x).abs().max(), (b.double() - x).abs().max()
+        if bf16:
+            assert ours_err <= 1.5 * eager_err + 1e-3 * x.abs().max(), (float(ours_err), float(eager_err))
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    return backend.records
+
+
+def _programs(records):
+    return [chunked_op.program(s.program_key) for r in records for s in r.sites if s.lm_head]
+
+
+def _schedule(program) -> str:
+    """What ran: "tiles" (backward), "two passes" or "rows" (row blocks only)."""
+    kinds = {k[0] for k in program._gradient_kernels}
+    if "column_tile" not in kinds:
+        return "rows"
+    return "two passes" if "fused" in kinds else "tiles"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    """No graph and no program of another test: the kernels a program compiled are this test's."""
+    torch.compiler.reset()
+    monkeypatch.setattr(chunked_op, "_PROGRAMS", {})
+
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+MODES = [pytest.param(True, id="in-forward"), pytest.param(False, id="recomputed")]
+
+
+def _expected(dtype, in_forward):
+    if not in_forward:
+        return "tiles"
+    return "two passes" if dtype == torch.bfloat16 else "rows"  # fp32: its accumulator is its gradient
+
+
+@pytest.mark.parametrize("in_forward", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["ppo", "bias", "weight_hv", "tied", "masked", "token_masked"])
+def test_tiles_match_eager_and_float64(case, dtype, in_forward):
+    kwargs = {}
+    if case == "bias":
+        fn, tensors = with_bias, _batch(dtype, bias=True)
+    elif case == "weight_hv":
+        fn, tensors = weight_hv, _batch(dtype, weight_shape=(H, V))
+    elif case == "tied":
+        fn, tensors = tied, _batch(dtype)
+        tensors[0] = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(3))
+    elif case == "masked":
+        fn, tensors, kwargs = masked, _batch(dtype), {"temperature": 1.3}
+    elif case == "token_masked":
+        fn, tensors = token_masked, _batch(dtype)
+        allowed = torch.rand(T, V, generator=torch.Generator().manual_seed(4)) < 0.7
+        allowed[torch.arange(T), tensors[2]] = True
+        tensors.append(allowed)
+    else:
+        fn, tensors = ppo, _batch(dtype)
+    records = _check(fn, tensors, kwargs=kwargs, gradients_in_forward=in_forward)
+    (program,) = _programs(records)
+    assert _schedule(program) == _expected(dtype, in_forward), program.tile_reasons
+    assert records[0].sites[0].gradients_in_forward == in_forward
+
+
+@pytest.mark.parametrize("ent_coef", [0.0, 0.01])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loss_outside_the_compiled_function(dtype, ent_coef):
+    """`logp, ent = compiled(hidden, W, ids)` and the loss after (TRL, verl, OpenRLHF): the
+    backward over tiles, with the entropy's gradient zero (not recomputed) or not."""
+    def helper(hidden, weight, tokens):
+        lsm = torch.log_softmax(_up(F.linear(hidden, weight)) / 0.7, -1)
+        return lsm.gather(-1, tokens[:, None]).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+
+    def loss(helper_fn):
+        def fn(hidden, weight, tokens, old_logp, adv, mask):
+            logp, entropy = helper_fn(hidden, weight, tokens)
+            return (-(torch.exp(logp - old_logp) * adv * mask).sum() - ent_coef * (entropy * mask).sum()) / mask.sum()
+        return fn
+
+    backend = graphpass.Backend(**OPTIONS)
+    records = _check(loss(helper), _batch(dtype), compile_fn=lambda f: loss(torch.compile(helper, backend=backend)))
+    assert not records and backend.records  # the records are the helper's
+    (program,) = _programs(backend.records)
+    assert _schedule(program) == "tiles"
+    active = {k[1] for k in program._gradient_kernels if k[0] == "column_tile"}
+    assert active == ({(0, 1)} if ent_coef else {(0,)})
+
+
+def test_inductor_kernels_on_tiles():
+    """The inner compiler's kernels, for one tile width and the last, narrower one."""
+    for dtype, in_forward in ((torch.bfloat16, True), (torch.float32, False)):
+        torch.compiler.reset()
+        records = _check(ppo, _batch(dtype, rows=40), inner="inductor", gradients_in_forward=in_forward)
+        (program,) = _programs(records)
+        assert _schedule(program) == _expected(dtype, in_forward)
+
+
+def scaled(hidden, weight, tokens, old_logp, adv, mask, scale):
+    """A learned scale per vocabulary entry: its gradient is a sum over rows, not a tile's."""
+    logp = torch.log_softmax(_up(F.linear(hidden, weight)) * scale, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return -(logp * adv).sum()
+
+
+def test_rows_where_tiles_do_not_pay_or_apply():
+    """Row blocks: a frozen weight (nothing accumulates over rows), another input of the region
+    that needs a gradient, more rows than vocabulary entries; `_tiles_reason` says which."""
+    frozen = _batch(torch.float32)
+    frozen[1].requires_grad_(False)
+    scale = _batch(torch.float32) + [torch.rand(V, generator=torch.Generator().manual_seed(5)).add(0.5).requires_grad_()]
+    for fn, tensors in ((ppo, frozen), (scaled, scale), (ppo, _batch(torch.float32, rows=40, vocab=32))):
+        torch.compiler.reset()
+        chunked_op._PROGRAMS.clear()
+        (program,) = _programs(_check(fn, tensors, gradients_in_forward=False))
+        assert _schedule(program) == "rows"
+    head = program.head
+    needs_grad = [False] * (len(program.inputs) + 1)
+    needs_grad[head.position] = needs_grad[head.weight] = True
+    assert program._tiles_reason(T, V, (0, 1), needs_grad) is None
+    assert "more rows" in program._tiles_reason(V + 1, V, (0, 1), needs_grad)
+    needs_grad[next(i for i in range(len(program.inputs)) if i != head.position)] = True
+    assert "another input" in program._tiles_reason(T, V, (0, 1), needs_grad)
+    needs_grad[head.weight] = False
+    assert "needs no gradient" in program._tiles_reason(T, V, (0, 1), needs_grad)
+
+
+@pytest.mark.parametrize("in_forward", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", [categorical, cross_entropy], ids=["categorical", "cross_entropy"])
+def test_a_backward_that_reads_along_the_vocabulary_keeps_row_blocks(fn, dtype, in_forward):
+    (program,) = _programs(_check(fn, _batch(dtype), gradients_in_forward=in_forward))
+    assert _schedule(program) == "rows" and not program._saving_wanted
+    if dtype == torch.bfloat16 or not in_forward:  # fp32 in forward: one pass, no tiles tried
+        (why,) = program.tile_reasons.values()
+        assert "reduces or moves values along the vocabulary" in why, why
+
+
+def test_a_fused_kernel_without_the_saved_values_keeps_one_pass():
+    """A max over the vocabulary in the loss: the fused trace computes its statistics otherwise
+    than the forward's, so it cannot write them for a second pass; one pass, the reason kept."""
+    def fn(hidden, weight, tokens, old_logp, adv, mask):
+        logits = _up(F.linear(hidden, weight))
+        logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return -(logp * mask).sum() + 0.1 * (logits.amax(-1) * adv).sum()
+
+    (program,) = _programs(_check(fn, _batch(torch.bfloat16)))
+    assert _schedule(program) == "rows" and not program._saving_wanted
+    assert "does not compute the saved values" in program.tile_reasons[program.total_positions]
+
+
+# ---- on_column_tile, node by node ----------------------------------------------------------------
+def _graph(fn, *args):
+    return make_fx(fn)(*args)
+
+
+def _tiled_equals_full(fn, x, *rest, width=7):
+    full_out = torch.empty_like(x)
+    fn(x, *rest, full_out)
+    tiled = on_column_tile(_graph(fn, x, *rest, torch.empty_like(x)), x.shape[-1])
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[-1], width):
+        cols = slice(start, min(x.shape[-1], start + width))
+        piece = torch.empty(x.shape[0], cols.stop - start)
+        tiled(x[:, cols], *[r[:, cols] if r.ndim == 2 and r.shape[-1] == x.shape[-1] else r for r in rest],
+              piece, torch.tensor(start))
+        out[:, cols] = piece
+    torch.testing.assert_close(out, full_out)
+
+
+def test_column_wise_math_runs_on_tiles():
+    x, idx, g, scale = torch.randn(3, 20), torch.randint(0, 20, (3, 1)), torch.randn(3, 1), torch.randn(1, 20)
+
+    def fn(x, idx, g, scale, out):
+        pick = torch.where(torch.arange(20) == idx, g, 0)
+        out.copy_((x.exp() * scale + pick + g.expand(3, 20) + torch.full((3, 20), 0.5)).to(torch.bfloat16).float())
+
+    _tiled_equals_full(fn, x, idx, g, scale)
+
+
+@pytest.mark.parametrize("body,why", [
+    (lambda x, out: out.copy_(x - x.sum(-1, keepdim=True)), "reduces or moves"),
+    (lambda x, out: out.copy_(x * x.amax(-1, keepdim=True)), "reduces or moves"),
+    (lambda x, out: out.copy_(x.flip(-1)), "reduces or moves"),
+    (lambda x, out: out.copy_(x.cumsum(-1)), "reduces or moves"),
+    (lambda x, out: out.copy_(x.view(3, 4, 5).transpose(1, 2).reshape(3, 20)), "reduces or moves"),
+    (lambda x, out: out.copy_(x.view(3, 20) * 2), "vocabulary in its shape"),
+    (lambda x, out: out.copy_(x + torch.zeros(3, 20)), "vocabulary in its shape"),
+    (lambda x, out: out.copy_(x + torch.rand(3, 1)), "random numbers"),
+])
+def test_whatever_reads_along_the_vocabulary_is_refused(body, why):
+    with pytest.raises(NotTileable, match=why):
+        on_column_tile(_graph(body, torch.randn(3, 20), torch.empty(3, 20)), 20)
+
+
+def test_a_graph_returning_a_sum_over_rows_is_refused():
+    with pytest.raises(NotTileable, match="returns"):
+        on_column_tile(_graph(lambda x, g, out: (out.copy_(x), g * 2)[1], torch.randn(3, 20), torch.randn(3, 1),
+                              torch.empty(3, 20)), 20)
