@@ -1,0 +1,153 @@
+"""TRL's default GRPO path compiled with graphpass (`graphpass.integrations.trl`).
+
+The stand-in for TRL's fused head (`ChunkedLogProbFunction`) alone: compiled, an lm_head site, its
+values and every gradient against TRL's own Function; arguments it does not model keep TRL's
+Function. Then `GRPOTrainer.train()` with `_get_per_token_logps_and_entropies` compiled with
+graphpass against eager TRL (logged losses) and against inductor (parameters): a tiny random Qwen2,
+a character tokenizer built locally, a Python reward, an in-memory dataset; no downloads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphpass
+
+trl = pytest.importorskip("trl", reason="TRL is not installed (the `test` extra installs it)")
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
+
+from graphpass.integrations import trl as trl_integration  # noqa: E402
+
+N, H, V = 24, 8, 40
+
+
+def _function_call(hidden, weight, bias, targets, *args):
+    return ChunkedLogProbFunction.apply(hidden, weight, bias, targets, *args)
+
+
+def _run(fn, args, seed=0):
+    """fn's outputs and the gradients of hidden, weight and bias for random output gradients."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=g)
+    outputs = fn(hidden, weight, bias, targets, *args)
+    differentiable = [o for o in outputs[:2] if o is not None]
+    loss = sum((o * torch.randn(N, dtype=o.dtype, generator=g)).sum() for o in differentiable)
+    loss.backward()
+    return outputs, (hidden.grad, weight.grad, bias.grad)
+
+
+def test_registered_when_trl_is_imported():
+    assert trl_integration._registered  # graphpass was imported first: registered on TRL's import
+    assert trl_integration.register()
+
+
+@pytest.mark.parametrize("outputs", [("log_probs", "entropy"), ("log_probs",)])
+@pytest.mark.parametrize("temperature, softcap, scale", [(1.0, None, 1.0), (0.7, None, 1.0), (0.7, 3.0, 0.5)])
+def test_stand_in_matches_trl_function(outputs, temperature, softcap, scale):
+    """float64 inputs (TRL folds its tiles in fp32, and so does the stand-in: fp32 tolerance)."""
+    args = (temperature, 16, softcap, scale, outputs)
+    expected, expected_grads = _run(_function_call, args)
+    backend = graphpass.Backend(inner="aot_eager")
+    got, grads = _run(torch.compile(_function_call, backend=backend, fullgraph=True), args)
+    [site] = [s for r in backend.records for s in r.sites]
+    assert site.lm_head and site.kind == ("logprob+entropy" if "entropy" in outputs else "logprob")
+    for e, o in zip(expected, got):
+        assert (e is None) == (o is None)
+        if e is not None:
+            assert o.dtype == e.dtype
+            torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+    for e, o in zip(expected_grads, grads):
+        assert o.dtype == e.dtype
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", ["mean_logits", "is_top1", "log_sum_sq_probs"])
+def test_outputs_it_does_not_model_keep_trls_function(extra):
+    """An output the stand-in does not compute: TRL's Function runs (a graph break), never a guess."""
+    args = (0.7, 16, None, 1.0, ("log_probs", "entropy", extra))
+    expected, expected_grads = _run(_function_call, args)
+    backend = graphpass.Backend(inner="aot_eager")
+    got, grads = _run(torch.compile(_function_call, backend=backend), args)
+    assert not [s for r in backend.records for s in r.sites]
+    for e, o in zip(expected, got):
+        assert (e is None) == (o is None)
+        if e is not None:
+            torch.testing.assert_close(o, e, rtol=0, atol=0)
+    for e, o in zip(expected_grads, grads):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+
+
+def test_zero3_keeps_trls_function(monkeypatch):
+    monkeypatch.setattr(trl_integration, "_zero3_enabled", lambda: True)
+    assert "ZeRO-3" in trl_integration._unsupported(("entropy",))
+
+
+# ---- GRPOTrainer.train() ---------------------------------------------------------------------------
+
+STEPS = 3
+
+
+def _tokenizer():
+    """A character-level tokenizer built in memory (no hub download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+def _reward(completions, **kwargs):
+    return [completion.count("a") - 0.1 * len(completion) for completion in completions]
+
+
+def _train(backend, tmp_path):
+    """GRPO for STEPS steps from seed 0; the user's one change: `_get_per_token_logps_and_entropies`
+    compiled with `backend` (None: eager). Returns the logged losses and the final parameters."""
+    from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    tokenizer = _tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    # Equal prompt lengths and completions of max_completion_length: one shape, one compile.
+    dataset = Dataset.from_dict({"prompt": ["abcd", "hell", "zz a", "cat "] * 4})
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        generation_kwargs={"min_new_tokens": 8}, max_steps=STEPS, logging_steps=1, report_to="none", use_cpu=True,
+        seed=0, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        # SGD: Adam's first steps are sign-like, they would turn rounding into differences of a learning rate.
+        optim="sgd", learning_rate=0.1, entropy_coef=0.01,  # the entropy's gradient is used too
+        # transformers adds an input hook each time TRL toggles checkpointing: a recompile every step.
+        gradient_checkpointing=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    if backend is not None:
+        trainer._get_per_token_logps_and_entropies = torch.compile(trainer._get_per_token_logps_and_entropies,
+                                                                   backend=backend)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == STEPS
+    return torch.tensor(losses, dtype=torch.float64), [p.detach().clone() for p in model.parameters()]
+
+
+def test_grpo_trainer_default_path(tmp_path):
+    eager_losses, eager_params = _train(None, tmp_path)
+    backend = graphpass.Backend()  # what backend="graphpass" runs, with its records kept
+    losses, params = _train(backend, tmp_path)
+    sites = [s for r in backend.records for s in r.sites]
+    assert sites and all(s.lm_head and s.kind == "logprob+entropy" for s in sites)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=1e-9)
+    torch._dynamo.reset()
+    _, inductor_params = _train("inductor", tmp_path)
+    for p, e, i in zip(params, eager_params, inductor_params):
+        assert (p - e).abs().max() <= max(2 * (i - e).abs().max(), 1e-6)
