@@ -17,6 +17,7 @@ import graphpass
 trl = pytest.importorskip("trl", reason="TRL is not installed (the `test` extra installs it)")
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
 
+from bench.trl import char_tokenizer, grpo_trainer, tiny_qwen2  # noqa: E402
 from graphpass.integrations import trl as trl_integration  # noqa: E402
 
 N, H, V = 24, 8, 40
@@ -91,46 +92,22 @@ def test_zero3_keeps_trls_function(monkeypatch):
 STEPS = 3
 
 
-def _tokenizer():
-    """A character-level tokenizer built in memory (no hub download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
-
-
-def _reward(completions, **kwargs):
-    return [completion.count("a") - 0.1 * len(completion) for completion in completions]
-
-
 def _train(backend, tmp_path):
-    """GRPO for STEPS steps from seed 0; the user's one change: `_get_per_token_logps_and_entropies`
-    compiled with `backend` (None: eager). Returns the logged losses and the final parameters."""
-    from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
-
+    """GRPO for STEPS steps from seed 0 (GRPOConfig's defaults otherwise: bf16 autocast); the user's
+    one change: `_get_per_token_logps_and_entropies` compiled with `backend` (None: eager).
+    Returns the logged losses and the final parameters."""
     torch.manual_seed(0)
-    tokenizer = _tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
-    # Equal prompt lengths and completions of max_completion_length: one shape, one compile.
-    dataset = Dataset.from_dict({"prompt": ["abcd", "hell", "zz a", "cat "] * 4})
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        generation_kwargs={"min_new_tokens": 8}, max_steps=STEPS, logging_steps=1, report_to="none", use_cpu=True,
-        seed=0, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer))
+    trainer = grpo_trainer(
+        model, tokenizer, str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=STEPS,
+        logging_steps=1, seed=0,
+        # Equal prompt lengths and completions of max_completion_length: one shape, one compile.
+        max_completion_length=8, generation_kwargs={"min_new_tokens": 8},
         # SGD: Adam's first steps are sign-like, they would turn rounding into differences of a learning rate.
         optim="sgd", learning_rate=0.1, entropy_coef=0.01,  # the entropy's gradient is used too
         # transformers adds an input hook each time TRL toggles checkpointing: a recompile every step.
         gradient_checkpointing=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
     if backend is not None:
         trainer._get_per_token_logps_and_entropies = torch.compile(trainer._get_per_token_logps_and_entropies,
                                                                    backend=backend)
