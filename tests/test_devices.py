@@ -277,3 +277,18 @@ def test_autocast_is_as_accurate_as_eager(inner):
     for mine, eagers, truth in zip(copies[0][:2], copies[1][:2], exact[:2]):
         assert error(mine.grad, truth.grad) <= 2 * error(eagers.grad, truth.grad) + 1e-6, \
             (error(mine.grad, truth.grad), error(eagers.grad, truth.grad))
+
+
+def test_cp_ops_have_no_host_sync_on_the_accelerator_path():
+    """The CP ops' real bodies (shard, shifted targets, unshard, their backward) on meta tensors."""
+    from graphpass.ops import cp as cp_ops
+
+    x = torch.empty(T, V, device="meta")
+    tokens = torch.randint(0, V, (T,)).to("meta")
+    local_rows = torch.arange(T // 2).to("meta")
+    with _SyncCounter() as counter:
+        local = cp_ops._take_rows(x, local_rows)
+        targets = cp_ops._take_rows(tokens, local_rows, -100)
+        full = cp_ops._gather_rows(local, "").index_select(0, local_rows)
+        back = cp_ops._put_rows(local, local_rows, T)
+    assert counter.syncs == [] and {t.device.type for t in (local, targets, full, back)} == {"meta"}
