@@ -184,3 +184,21 @@ def test_function_mutating_its_input_runs_the_graph_unchanged():
     torch.testing.assert_close(outs[0], ref_outs[0])
     torch.testing.assert_close(grad_logits, ref_logits)
     assert "mutates its inputs" in backend.records[0].fallback_reason
+
+
+def test_a_copy_within_one_device_names_no_device():
+    """A buffer filled chunk by chunk (functional `copy`) is decomposed into a cast that names only
+    the dtype: a region program runs on its inputs' device, and a device named in it would be
+    baked into its kernels (a `device=cuda:0` cast traced for another device failed the region)."""
+    from graphpass.capture import capture_function
+
+    def fill(logits, tokens):
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], 4):
+            rows = slice(start, start + 4)
+            out[rows] = torch.log_softmax(logits[rows], -1).gather(-1, tokens[rows, None]).squeeze(-1)
+        return (out.sum(),)
+
+    captured = capture_function(fill, torch.randn(8, 16, requires_grad=True), torch.randint(0, 16, (8,)))
+    casts = captured.gm.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default)
+    assert casts and all("device" not in n.kwargs for n in casts)
