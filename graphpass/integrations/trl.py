@@ -18,7 +18,9 @@ mechanism is `torch.compiler.substitute_in_graph`'s for a Function's `apply`
 What the stand-in does not compute falls back to TRL's Function, with a graph break that says
 why: the non-differentiable extra outputs (`log_sum_sq_probs`, `mean_logits`, `is_top1`), and
 DeepSpeed ZeRO-3, whose partitioned weight must be gathered again in backward (TRL's backward
-does it; autograd's saved weight would be empty).
+does it; autograd's saved weight would be empty). One difference remains: a target id outside the
+vocabulary raises (as `gather` does) where TRL's kernel returns `-logsumexp`; TRL's callers pass
+valid ids (its fused forward clamps the ignored label -100 to 0 and masks those rows afterwards).
 """
 
 from __future__ import annotations

@@ -82,6 +82,14 @@ def test_outputs_it_does_not_model_keep_trls_function(extra):
         torch.testing.assert_close(o, e, rtol=0, atol=0)
 
 
+def test_target_outside_the_vocabulary_raises():
+    """TRL's kernel returns -logsumexp for it; compiled, graphpass's op refuses it (as eager gather)."""
+    compiled = torch.compile(_function_call, backend=graphpass.Backend(inner="aot_eager"))
+    targets = torch.tensor([1, 2, V, 3])
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        compiled(torch.randn(4, H), torch.randn(V, H), None, targets, 1.0, 16, None, 1.0, ("log_probs",))
+
+
 def test_zero3_keeps_trls_function(monkeypatch):
     monkeypatch.setattr(trl_integration, "_zero3_enabled", lambda: True)
     assert "ZeRO-3" in trl_integration._unsupported(("entropy",))
