@@ -22,7 +22,7 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.harness import CpuMeter, CudaMeter, _timed, default_device, machine_description, run_isolated, torch_dtype
+from bench.harness import default_device, machine_description, run_isolated, timed_steps, torch_dtype
 
 RESULTS = Path(__file__).parent / "results"
 LOSSES = ("fkl", "jsd")
@@ -124,24 +124,15 @@ def measure(spec: DistillSpec) -> dict:
                         rejected=[c.reason for r in backend.records for c in r.rejected][:4])
     inputs = make_inputs(spec)
     hidden, weight = inputs[:2]
-    meter = CudaMeter() if spec.device.startswith("cuda") else CpuMeter()
     loss = None
 
     def step():
         nonlocal loss
-        hidden.grad = weight.grad = None
+        hidden.grad = weight.grad = loss = None
         loss = fn(*inputs)
         loss.backward()
-        meter.sync()
 
-    first_s = _timed(step, spec.device)
-    times, peaks = [], []
-    for _ in range(spec.steps):
-        hidden.grad = weight.grad = None
-        loss = None
-        meter.reset()
-        times.append(_timed(step, spec.device))
-        peaks.append(meter.peak())
+    first_s, times, peaks = timed_steps(step, spec.device, spec.steps)
     exact = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
     ref = LOSS_FNS[spec.loss](*exact)
     ref.backward()

@@ -302,6 +302,24 @@ def _timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
+def timed_steps(step, device: str, steps: int, first_call: bool = True) -> tuple[float | None, list, list]:
+    """(seconds of a first, untimed-for-peak call or None, each of `steps` steps' seconds, each
+    step's peak bytes above its start). `step()` runs one forward+backward (and clears what it must)."""
+    meter = CudaMeter() if device.startswith("cuda") else CpuMeter()
+
+    def synced():
+        step()
+        meter.sync()
+
+    first_s = _timed(synced, device) if first_call else None
+    times, peaks = [], []
+    for _ in range(steps):
+        meter.reset()
+        times.append(_timed(synced, device))
+        peaks.append(meter.peak())
+    return first_s, times, peaks
+
+
 def measure(spec: Spec) -> dict:
     """The worker's measurement of one configuration."""
     import torch
