@@ -126,13 +126,17 @@ def measure(spec: DistillSpec) -> dict:
     hidden, weight = inputs[:2]
     loss = None
 
-    def step():
+    def clear():
         nonlocal loss
         hidden.grad = weight.grad = loss = None
+
+    def step():
+        nonlocal loss
+        clear()
         loss = fn(*inputs)
         loss.backward()
 
-    first_s, times, peaks = timed_steps(step, spec.device, spec.steps)
+    first_s, times, peaks = timed_steps(step, clear, spec.device, spec.steps)
     exact = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
     ref = LOSS_FNS[spec.loss](*exact)
     ref.backward()

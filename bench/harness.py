@@ -302,9 +302,10 @@ def _timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
-def timed_steps(step, device: str, steps: int, first_call: bool = True) -> tuple[float | None, list, list]:
-    """(seconds of a first, untimed-for-peak call or None, each of `steps` steps' seconds, each
-    step's peak bytes above its start). `step()` runs one forward+backward (and clears what it must)."""
+def timed_steps(step, clear, device: str, steps: int, first_call: bool = True) -> tuple[float | None, list, list]:
+    """(seconds of a first call, not counted for the peak, or None; each of `steps` steps' seconds;
+    each step's peak bytes above its start). `step()` runs one forward+backward; `clear()` drops
+    what the last one left (its gradients, its loss) before the next step's baseline is taken."""
     meter = CudaMeter() if device.startswith("cuda") else CpuMeter()
 
     def synced():
@@ -314,6 +315,7 @@ def timed_steps(step, device: str, steps: int, first_call: bool = True) -> tuple
     first_s = _timed(synced, device) if first_call else None
     times, peaks = [], []
     for _ in range(steps):
+        clear()
         meter.reset()
         times.append(_timed(synced, device))
         peaks.append(meter.peak())
