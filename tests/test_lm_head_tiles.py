@@ -324,3 +324,26 @@ def test_a_graph_returning_a_sum_over_rows_is_refused():
     with pytest.raises(NotTileable, match="returns"):
         on_column_tile(_graph(lambda x, g, out: (out.copy_(x), g * 2)[1], torch.randn(3, 20), torch.randn(3, 1),
                               torch.empty(3, 20)), 20)
+
+
+def test_an_overwritten_argument_is_read_before_its_gradient_replaces_it():
+    """`JointSplit.overwritten`: the fused kernel reads the logits from the slot it overwrites with
+    their gradient; an output that is a view of them is copied first, so it is still the logits."""
+    from graphpass.ops.joint import ArgSpec, JointSplit
+
+    class FirstColumnAndLogsumexp(torch.nn.Module):
+        def forward(self, logits):
+            return logits[:, :1], torch.logsumexp(logits, -1, keepdim=True)
+
+    logits = torch.randn(4, 20, requires_grad=True)
+    split = JointSplit(torch.fx.symbolic_trace(FirstColumnAndLogsumexp()), [ArgSpec((1, 20), torch.float32, True, True)],
+                       [1], [0], device=torch.device("cpu"))
+    split.overwritten = (0,)
+    fused = split.fused((1,), (0,))
+    assert [n.name for n in fused.graph.find_nodes(op="placeholder")] == ["grad_out1", "grad_in0"]
+    grad_out, slot = torch.randn(4, 1), logits.detach().clone()
+    column, lse = fused(grad_out, slot)
+    torch.testing.assert_close(column, logits[:, :1].detach())
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1, keepdim=True).detach())
+    (expected,) = torch.autograd.grad(torch.logsumexp(logits, -1, keepdim=True), logits, grad_out)
+    torch.testing.assert_close(slot, expected)

@@ -60,6 +60,10 @@ class JointSplit:
     fused(active, wanted): both at once, without the saved values in between.
     fused_saving(active, wanted): fused, also writing the row values a backward reads (see there).
     column_tile(active, wanted): backward on a column tile of the wide inputs (`on_column_tile`).
+
+    An argument in `overwritten` is a temporary its gradient may replace: the gradient graphs read
+    it from its out slice, which they overwrite with its gradient, and take no argument for it
+    (every read of it comes before that write). The forward reads it as an argument.
     """
 
     def __init__(self, program: torch.fx.GraphModule, args: list[ArgSpec], differentiable_outputs, differentiable_inputs,
@@ -70,6 +74,7 @@ class JointSplit:
         # backward's `arange`, a user's `torch.full(..., device=x.device)`) names that device.
         self.device = torch.device(device)
         self.n_outputs = len(program.graph.output_node().args[0])
+        self.overwritten: tuple[int, ...] = ()
         self._ids = _StructuralIds()
         self._split_forward(self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs)))
 
@@ -218,7 +223,9 @@ class JointSplit:
         joint = self._trace(active, wanted)
         graph = torch.fx.Graph()
         primals, cotangents = self._placeholders(joint)
-        env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(primals)}
+        in_place = [i for i in wanted if self.args[i].per_row]
+        overwritten = [i for i in self.overwritten if i in in_place]
+        env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(primals) if i not in overwritten}
         if saving:
             saved_slots = [_placeholder(graph, f"saved_out{i}", n) for i, n in enumerate(self._saved_examples)]
             grad_slots = [_placeholder(graph, f"grad_out_copy{j}", n) for j, n in zip(active, cotangents)]
@@ -227,8 +234,8 @@ class JointSplit:
         if not with_forward:
             saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
         env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, cotangents)})
-        in_place = [i for i in wanted if self.args[i].per_row]
         out_slices = {i: _placeholder(graph, f"grad_in{i}", primals[i]) for i in in_place}
+        env.update({primals[i]: out_slices[i] for i in overwritten})
         backward_nodes = _reachable_from(cotangents)
         for node in joint.graph.nodes:
             if node.op != "call_function":
@@ -241,7 +248,8 @@ class JointSplit:
         results = _output_nodes(joint)
         grads = dict(zip(wanted, results[self.n_outputs:]))
         for i in in_place:
-            graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
+            if i not in overwritten:
+                graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
         if saving:
             computed = {}
             for node in joint.graph.nodes:
@@ -256,10 +264,26 @@ class JointSplit:
             for slot, cotangent in zip(grad_slots, cotangents):
                 graph.call_function(aten.copy_.default, (slot, env[cotangent]))
         outputs = [env[n] for n in results[:self.n_outputs]] if with_forward else []
-        graph.output(tuple(outputs + [env[grads[i]] for i in wanted if i not in out_slices]))
+        outputs = _copies_of_views(graph, outputs + [env[grads[i]] for i in wanted if i not in out_slices],
+                                   [out_slices[i] for i in overwritten])
+        # Last, after every read: the overwritten arguments' gradients.
+        for i in overwritten:
+            graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
+        graph.output(tuple(outputs))
         graph.eliminate_dead_code()
         peephole.optimize(graph)
         return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _copies_of_views(graph, values, bases) -> list:
+    """`values`, each a view of one of `bases` (which are about to be overwritten) replaced by a
+    clone of it, taken now."""
+    views = set(bases)
+    for node in graph.nodes:
+        if (node.op == "call_function" and getattr(node.target, "is_view", False) and node.args
+                and node.args[0] in views):
+            views.add(node)
+    return [graph.call_function(aten.clone.default, (v,)) if v in views else v for v in values]
 
 
 class NotTileable(Exception):

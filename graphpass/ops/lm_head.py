@@ -8,11 +8,11 @@ wide value is and where its gradient goes, and adds one schedule of its own, ove
 - forward, per chunk: `logits_c = hidden_c @ W.T (+ b)`, then the region's forward kernel (its
   outputs and O(rows) row statistics, as for logits given as a tensor);
 - row blocks (the base's loop): per block of rows, the block's logits; the region's gradient
-  kernel, per chunk of the block (an eighth), writes the chunk's `dlogits` into one scratch
-  buffer, copied back over the chunk's logits it has just read; then `dhidden[block] = dlogits @ W`
-  (complete: one GEMM over the whole vocabulary) and `dW += dlogits.T @ hidden[block]` (and
-  `db += dlogits.sum(0)`) into fp32 accumulators, converted to the weight's dtype at the end (for
-  an fp32 weight the accumulator is the gradient itself);
+  kernel overwrites them with their `dlogits` (the logits are its temporary,
+  `JointSplit.overwritten`: no scratch, no copy); then `dhidden[block] = dlogits @ W` (complete: one
+  GEMM over the whole vocabulary) and `dW += dlogits.T @ hidden[block]` (and `db += dlogits.sum(0)`)
+  into fp32 accumulators, converted to the weight's dtype at the end (for an fp32 weight the
+  accumulator is the gradient itself);
 - vocabulary tiles (`_tile_pass`): the weight's gradient needs no accumulator when the tiles are
   outermost. Each row's statistics being known (saved by the forward), a column-tile kernel
   (`JointSplit.column_tile`, refused for a program that reduces along the vocabulary in backward)
@@ -28,7 +28,7 @@ gradient, so that forward makes two passes instead (four GEMMs, no accumulator):
 `dhidden` (complete per block) whose fused kernel also writes each row's statistics
 (`JointSplit.fused_saving`), then vocabulary tiles for `dW` (complete per tile).
 
-Peak beyond the gradients: a block (or a tile) of `[rows, V]` and an eighth, plus the accumulator
+Peak beyond the gradients: a block (or a tile) of `[rows, V]`, plus the accumulator
 (none in two passes; `[V, H]` or `[rows, H]` fp32 for a narrower weight); a bf16 weight is
 multiplied as it is, never copied to fp32, except on the CPU where an accumulating product is
 computed in fp32 (`devices.mm_into`).
@@ -73,6 +73,8 @@ class LinearHeadProgram(RegionProgram):
     def __init__(self, graph_module, inputs, outputs, *, head: HeadSpec, **kwargs):
         self.head = head  # before the base's __init__: the content key includes it
         super().__init__(graph_module, inputs, outputs, **kwargs)
+        # A chunk's logits are a temporary: its gradient kernels overwrite them with their gradient.
+        self.split.overwritten = (head.position,)
         # The fused kernels (by wanted inputs) that also write the row values of a second pass
         # over vocabulary tiles (`prepare_gradients_in_forward`).
         self._saving_wanted: set[tuple[int, ...]] = set()
@@ -83,11 +85,10 @@ class LinearHeadProgram(RegionProgram):
         return (*super()._identity(), self.head)
 
     # ---- sizes -------------------------------------------------------------------------
-    # The backward multiplies blocks of rows (its GEMMs are faster for more rows) and runs the
-    # region's kernel on eighths of blocks: the kernel writes an eighth's dlogits into a scratch
-    # buffer, copied back over the logits it has just read, so one block plus an eighth is alive.
-    # Vocabulary tiles are split the same way, into eighths of their rows.
-    SUB_CHUNKS = 8
+    # A block (or a tile) is one call of the region's kernel, which overwrites its logits with
+    # their gradient: on a CPU that other processes share, each call is a parallel region that
+    # waits for threads they hold, so fewer and longer calls (an eighth of a block each took the
+    # bf16 acceptance step from 4.3 s to 8.5 s at load 3-4).
 
     def floor_bytes(self, rows: int, vocab: int, itemsize: int) -> int:
         """Bytes of the gradients the backward must produce: hidden's and the weight's."""
@@ -108,8 +109,8 @@ class LinearHeadProgram(RegionProgram):
         return block - block % 32 if block >= 64 else block  # whole GEMM panels
 
     def tile_columns(self, rows: int, vocab: int, itemsize: int, upcast: bool) -> int:
-        """Vocabulary entries per tile of all `rows`: what keeps the tile's logits and scratch
-        (and with `upcast` their fp32 copy, `devices.mm_into`) within the backward's budget,
+        """Vocabulary entries per tile of all `rows`: what keeps the tile's logits (and with
+        `upcast` their fp32 copy, `devices.mm_into`) within the backward's budget,
         rounded down to a power of two (each width compiles the tile kernel once, so counts of rows
         within a factor of two share it), at least `_MIN_TILE_COLUMNS`."""
         per_column = max(rows, 1) * self._bytes_per_element(itemsize, True, upcast)
@@ -122,16 +123,13 @@ class LinearHeadProgram(RegionProgram):
         return itemsize < 4 and not self._saving_wanted and devices.host_reads_are_free(self.device)
 
     def _bytes_per_element(self, itemsize: int, backward: bool, upcast: bool) -> float:
-        """Temporary bytes per element of a block (or tile) of `[rows, V]`."""
-        kernel = 4 * _TEMPORARIES_PER_CHUNK[self.inner] / (self.SUB_CHUNKS if backward else 1)
-        if not backward:
-            return itemsize + kernel
-        return itemsize * (1 + 1 / self.SUB_CHUNKS) + (4 if upcast else 0) + kernel
+        """Temporary bytes per element of a block (or tile) of `[rows, V]`: the logits, the
+        kernel's temporaries, with `upcast` (in backward) the logits' fp32 copy."""
+        return itemsize + 4 * _TEMPORARIES_PER_CHUNK[self.inner] + (4 if upcast and backward else 0)
 
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
-        """Rows per call of the region's kernel: a block in forward, an eighth of a block in backward."""
-        block = self.block_rows(rows, vocab, grad_itemsize, backward)
-        return max(1, -(-block // self.SUB_CHUNKS)) if backward else block
+        """Rows per call of the region's kernel: a block."""
+        return self.block_rows(rows, vocab, grad_itemsize, backward)
 
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         return self.rows_per_chunk(rows, vocab, tensors[self.head.weight].element_size(), backward)
@@ -139,8 +137,8 @@ class LinearHeadProgram(RegionProgram):
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Transient bytes while the op runs, beyond its inputs, outputs and the gradients it returns,
         in the schedule it takes when the head's operands, and nothing else, need gradients: a
-        block's logits (in backward also the kernel's scratch, on the CPU a block's fp32 copy and a
-        narrower weight's fp32 accumulator), or a tile's (and the hidden states' accumulator)."""
+        block's logits (in backward on the CPU also their fp32 copy and a narrower weight's fp32
+        accumulator), or a tile's (and the hidden states' accumulator)."""
         block = self.block_rows(rows, vocab, grad_itemsize, backward)
         upcast = backward and self._weight_upcast(grad_itemsize)
         blocks = int(block * vocab * self._bytes_per_element(grad_itemsize, backward, upcast))
@@ -177,15 +175,16 @@ class LinearHeadProgram(RegionProgram):
             views.append(t.reshape(rows, t.shape[-1]))
         return rows, vocab, [(0, rows, views)]
 
-    def _logits(self, tensors, hidden_chunk, out=None, columns: slice | None = None):
-        """`hidden_chunk @ W.T (+ b)`, into `out` when given; with `columns`, those logits only."""
+    def _logits(self, tensors, hidden_chunk, out=None, columns: slice = slice(None)):
+        """`hidden_chunk @ W.T (+ b)`, into `out` when given; with `columns`, those logits only.
+        One GEMM: on this CPU (2 cores shared with other processes, load 3-4) splitting it over
+        vocabulary tiles with the weight as the left operand (`_logits_by_vocab_tiles`) took 1.3-2.7 x
+        longer (bf16 224 x 1024 x 32768: 0.20 s against 0.074 s; fp32 192 x 1024 x 32768: 0.30 s
+        against 0.22 s; min of 8-12): each tile is a parallel region that waits for threads other
+        processes hold."""
         head = self.head
         weight = tensors[head.weight]
         bias = tensors[head.bias] if head.bias is not None else None
-        if columns is None:
-            if hidden_chunk.device.type == "cpu":
-                return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
-            columns = slice(None)
         right = weight[:, columns] if head.weight_transposed else weight[columns].t()
         if bias is None:
             return torch.mm(hidden_chunk, right, out=out)
@@ -194,8 +193,9 @@ class LinearHeadProgram(RegionProgram):
     def _kernel_args(self, tensors, args, sl, sinks=()):
         args = list(args)
         head_sinks = [sink for sink in sinks if isinstance(sink, _HeadGradients)]
-        if head_sinks:  # a view of the recomputed block; a saving kernel's slots after the arguments
-            args[self.head.position] = head_sinks[0].logits(sl)
+        if head_sinks:  # the kernel reads the chunk's logits from its slot; a saving kernel's slots
+            head_sinks[0].logits(sl)
+            del args[self.head.position]
             return args + head_sinks[0].row_value_slots(sl)
         args[self.head.position] = self._logits(tensors, args[self.head.position])
         return args
@@ -288,11 +288,11 @@ class LinearHeadProgram(RegionProgram):
         return grads
 
     def _tile_pass(self, tensors, active, row_values, weight_grad, bias_grad=None, hidden_acc=None) -> None:
-        """The head's gradients over vocabulary tiles, all rows at once. Per tile: its logits; the
-        column-tile kernel for `active` (row values: the saved statistics and the active outputs'
-        gradients) on each eighth of the rows, into a scratch copied back over the logits just
-        read; then `weight_grad[tile] = dlogits.T @ hidden` (one GEMM over all rows: complete),
-        `bias_grad[tile] = dlogits.sum(0)` and `hidden_acc += dlogits @ W[tile]`."""
+        """The head's gradients over vocabulary tiles, all rows at once. Per tile: its logits,
+        overwritten with their gradient by the column-tile kernel for `active` (row values: the
+        saved statistics and the active outputs' gradients); then `weight_grad[tile] =
+        dlogits.T @ hidden` (one GEMM over all rows: complete), `bias_grad[tile] = dlogits.sum(0)`
+        and `hidden_acc += dlogits @ W[tile]`."""
         head = self.head
         rows, vocab, blocks = self._layout(tensors)
         hidden = tensors[head.position].reshape(rows, head.hidden_size)
@@ -300,21 +300,18 @@ class LinearHeadProgram(RegionProgram):
         kernel = self._get_gradient_kernel("column_tile", active, (head.position,))
         upcast = hidden_acc is not None and hidden_acc.dtype != hidden.dtype and devices.host_reads_are_free(hidden.device)
         width = self.tile_columns(rows, vocab, hidden.element_size(), upcast)
-        chunk = self.chunk_size or max(1, -(-rows // self.SUB_CHUNKS))
-        # Flat buffers, viewed as each tile's [rows, width]: the last tile's views stay contiguous.
+        chunk = self.chunk_size or rows
+        # A flat buffer, viewed as each tile's [rows, width]: the last tile's view stays contiguous.
         tile = torch.empty(rows * width, dtype=hidden.dtype, device=hidden.device)
-        scratch = torch.empty(min(chunk, rows) * width, dtype=hidden.dtype, device=hidden.device)
         offsets = torch.arange(0, vocab, width, device=hidden.device)  # 0-d views: no host value per tile
         for k, start in enumerate(range(0, vocab, width)):
             columns = slice(start, min(vocab, start + width))
             n = columns.stop - start
             logits = self._logits(tensors, hidden, out=tile[:rows * n].view(rows, n), columns=columns)
             for sl, args in self._chunks(tensors, rows, blocks, chunk):
-                args = [logits[sl] if i == head.position else _columns(a, spec, vocab, columns)
-                        for i, (a, spec) in enumerate(zip(args, self.inputs))]
-                out = scratch[:(sl.stop - sl.start) * n].view(-1, n)
-                kernel(*args, *[v[sl] for v in row_values], out, offsets[k])
-                logits[sl].copy_(out)
+                args = [_columns(a, spec, vocab, columns) for i, (a, spec) in enumerate(zip(args, self.inputs))
+                        if i != head.position]
+                kernel(*args, *[v[sl] for v in row_values], logits[sl], offsets[k])
             if head.weight_transposed:  # dW [H, V]: its tile's columns
                 torch.mm(hidden.t(), logits, out=weight_grad[:, columns])
             else:
@@ -339,7 +336,8 @@ _VOCAB_TILE = 2048
 
 
 def _logits_by_vocab_tiles(hidden, weight, bias, weight_transposed, out=None):
-    """`hidden @ W.T (+ bias)` as `[rows, V]`, computed a vocabulary tile at a time as
+    """`hidden @ W.T (+ bias)` as `[rows, V]` (the TP lm_head's, `vocab_parallel_gradients`; this
+    module's own are one GEMM, see `LinearHeadProgram._logits`), computed a vocabulary tile at a time as
     `(W[tile] @ hidden.T).T`: for a block of a few hundred rows MKL multiplies the weight as the
     left operand about 30 % faster than `hidden @ W.T` (0.77 s against 1.10 s for T=1920, H=1024,
     V=32768 in 160-row blocks, fp32, 2 cores), and each tile's transpose is a copy in cache."""
@@ -359,8 +357,8 @@ def _logits_by_vocab_tiles(hidden, weight, bias, weight_transposed, out=None):
 
 class _HeadGradients:
     """The head's gradients, block by block. For each block of rows: its logits, recomputed;
-    the kernel's chunks within it, each writing its dlogits into a scratch buffer that is copied
-    back over the chunk's (consumed) logits; then, with the block's dlogits complete,
+    the kernel, per chunk within it (a block unless `chunk_size` is set), overwrites the chunk's
+    logits with their dlogits; then, with the block's dlogits complete,
     `dhidden[block] = dlogits @ W` in place and `dW += dlogits.T @ hidden[block]`,
     `db += dlogits.sum(0)` into fp32 accumulators; or, after a saving kernel, `dW` over
     vocabulary tiles once every block ran (`LinearHeadProgram._tile_pass`)."""
@@ -375,7 +373,7 @@ class _HeadGradients:
         self.rows, self.block = rows, max(1, block // chunk) * chunk  # whole chunks: none crosses a block
         self.start = self.stop = 0  # rows of the block whose logits are in `self.values`
         self.values = self.buffer = None
-        self.scratch = torch.empty(min(chunk, rows), vocab, dtype=hidden.dtype, device=hidden.device)
+        self.vocab = vocab
         self.hidden_grad = self.weight_acc = self.bias_acc = None
         if needs_grad[head.position]:
             self.hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -406,8 +404,8 @@ class _HeadGradients:
             self._flush()
             self.start, self.stop = sl.start, min(self.rows, sl.start + self.block)
             if self.buffer is None:  # one block's buffer, reused by every block
-                self.buffer = torch.empty(min(self.block, self.rows), self.scratch.shape[1],
-                                          dtype=self.scratch.dtype, device=self.scratch.device)
+                self.buffer = torch.empty(min(self.block, self.rows), self.vocab,
+                                          dtype=self.hidden.dtype, device=self.hidden.device)
             self.values = self.program._logits(self.tensors, self.hidden[self.start:self.stop],
                                                out=self.buffer[:self.stop - self.start])
         if sl.stop > self.stop:
@@ -415,15 +413,15 @@ class _HeadGradients:
         return self.values[sl.start - self.start:sl.stop - self.start]
 
     def slot(self, sl):
-        return self.scratch[:sl.stop - sl.start]
+        """The chunk's logits, which the kernel reads and overwrites with their gradient."""
+        return self.values[sl.start - self.start:sl.stop - self.start]
 
     def row_value_slots(self, sl) -> list:
         """Where a saving kernel writes the chunk's row values (none for another kernel)."""
         return [v[sl] for v in self.row_values]
 
     def take(self, sl, args):
-        # The chunk's logits are read; its dlogits take their place in the block.
-        self.values[sl.start - self.start:sl.stop - self.start].copy_(self.scratch[:sl.stop - sl.start])
+        """Nothing to do: the kernel wrote the chunk's dlogits over its logits."""
 
     def _flush(self):
         """The block's dlogits are complete: its share of every gradient."""
@@ -452,7 +450,7 @@ class _HeadGradients:
 
     def finish(self, grads):
         self._flush()
-        self.buffer = self.scratch = None
+        self.buffer = None
         if self.first_block and self.weight_acc is not None:  # no rows at all: nothing was written
             self.weight_acc.zero_()
         head = self.head
