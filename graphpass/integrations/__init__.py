@@ -9,6 +9,7 @@ so the order of imports does not matter and nothing is imported that the program
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import logging
@@ -23,6 +24,16 @@ def register_available() -> None:
 
     _when_imported(megatron.MODULE, megatron.register_for)
     _when_imported(trl.MODULE, trl.register_for)
+
+
+def register_now(name: str, register_for) -> bool:
+    """`register_for(module)` with module `name` imported (now, if it is not yet); False when it
+    is not importable."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return False
+    return register_for(module)
 
 
 def _when_imported(name: str, register) -> None:

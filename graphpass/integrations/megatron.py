@@ -42,6 +42,7 @@ import logging
 import torch
 
 from graphpass import _torch_api
+from graphpass.integrations import register_now
 
 log = logging.getLogger("graphpass")
 
@@ -104,13 +105,7 @@ def register() -> bool:
     """Register the stand-ins with Dynamo (idempotent); False when megatron-core is not importable.
 
     Imports megatron-core's tensor-parallel layers if they are not imported yet."""
-    if _registered:
-        return True
-    try:
-        from megatron.core.tensor_parallel import layers
-    except ImportError:
-        return False
-    return register_for(layers)
+    return register_now(MODULE, register_for)
 
 
 def register_for(layers) -> bool:

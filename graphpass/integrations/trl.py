@@ -30,6 +30,7 @@ import logging
 import torch
 
 from graphpass import _torch_api
+from graphpass.integrations import register_now
 
 log = logging.getLogger("graphpass")
 
@@ -89,13 +90,7 @@ def register() -> bool:
     """Register the stand-in with Dynamo (idempotent); False when TRL is not importable.
 
     Imports TRL's `kernels.chunked_logprob` if it is not imported yet."""
-    if _registered:
-        return True
-    try:
-        from trl.kernels import chunked_logprob
-    except ImportError:
-        return False
-    return register_for(chunked_logprob)
+    return register_now(MODULE, register_for)
 
 
 def register_for(chunked_logprob) -> bool:
