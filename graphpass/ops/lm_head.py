@@ -95,9 +95,12 @@ class LinearHeadProgram(RegionProgram):
         return (rows + vocab) * self.head.hidden_size * itemsize
 
     def _budget(self, rows: int, vocab: int, itemsize: int, backward: bool) -> int:
-        """Bytes for temporaries: a fifth of the floor in backward (on top of the gradients), half
-        in forward (before any gradient exists), and at least `chunk_budget_bytes`."""
-        return max(self.chunk_budget_bytes, self.floor_bytes(rows, vocab, itemsize) // (5 if backward else 2))
+        """Bytes for temporaries, at least `chunk_budget_bytes`: a fifth of the floor in backward
+        (on top of the gradients); the floor in forward, before any gradient exists, so that it
+        stays below the backward's peak while its GEMMs get rows (a block's `[rows, H] @ [H, V]`
+        re-reads the weight: at H=256, V=65536, fp32, 256-row blocks ran 97 GF/s here, 128-row
+        ones 87, and the loss-outside step 3 % faster)."""
+        return max(self.chunk_budget_bytes, self.floor_bytes(rows, vocab, itemsize) // (5 if backward else 1))
 
     def block_rows(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Rows per matmul: the configured chunk size, else what keeps a block's temporaries
@@ -177,14 +180,17 @@ class LinearHeadProgram(RegionProgram):
 
     def _logits(self, tensors, hidden_chunk, out=None, columns: slice = slice(None)):
         """`hidden_chunk @ W.T (+ b)`, into `out` when given; with `columns`, those logits only.
-        One GEMM: on this CPU (2 cores shared with other processes, load 3-4) splitting it over
-        vocabulary tiles with the weight as the left operand (`_logits_by_vocab_tiles`) took 1.3-2.7 x
-        longer (bf16 224 x 1024 x 32768: 0.20 s against 0.074 s; fp32 192 x 1024 x 32768: 0.30 s
-        against 0.22 s; min of 8-12): each tile is a parallel region that waits for threads other
-        processes hold."""
+        A block's, on the CPU in fp32 with H >= 512, by `_logits_by_vocab_tiles`; else one GEMM.
+        The A/B step on this CPU (2 cores, load 2): PPO at T=2048, H=1024, V=32768 fp32 0.89 x
+        inductor's time by tiles, 0.95 x by one GEMM; bf16 1.12 x against 1.06 x; the loss
+        outside at H=256, V=65536 fp32 1.03 x against 0.99 x (a tile's transposing copy costs what
+        the faster product saves when H is small, and bf16 products are 2.5 x faster)."""
         head = self.head
         weight = tensors[head.weight]
         bias = tensors[head.bias] if head.bias is not None else None
+        if (columns == slice(None) and devices.host_reads_are_free(hidden_chunk.device)
+                and hidden_chunk.element_size() >= 4 and head.hidden_size >= 512):
+            return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
         right = weight[:, columns] if head.weight_transposed else weight[columns].t()
         if bias is None:
             return torch.mm(hidden_chunk, right, out=out)
@@ -301,13 +307,15 @@ class LinearHeadProgram(RegionProgram):
         upcast = hidden_acc is not None and hidden_acc.dtype != hidden.dtype and devices.host_reads_are_free(hidden.device)
         width = self.tile_columns(rows, vocab, hidden.element_size(), upcast)
         chunk = self.chunk_size or rows
-        # A flat buffer, viewed as each tile's [rows, width]: the last tile's view stays contiguous.
+        # One buffer, each tile's logits in it column-major (`[width, rows]` contiguous, the last
+        # tile's too): `dW[tile] = dlogits.T @ hidden` then multiplies a row-major left operand,
+        # which MKL ran 15 % faster here (bf16 4096 x 2048 x 1024), and the kernel is elementwise.
         tile = torch.empty(rows * width, dtype=hidden.dtype, device=hidden.device)
         offsets = torch.arange(0, vocab, width, device=hidden.device)  # 0-d views: no host value per tile
         for k, start in enumerate(range(0, vocab, width)):
             columns = slice(start, min(vocab, start + width))
             n = columns.stop - start
-            logits = self._logits(tensors, hidden, out=tile[:rows * n].view(rows, n), columns=columns)
+            logits = self._logits(tensors, hidden, out=tile[:rows * n].view(n, rows).t(), columns=columns)
             for sl, args in self._chunks(tensors, rows, blocks, chunk):
                 args = [_columns(a, spec, vocab, columns) for i, (a, spec) in enumerate(zip(args, self.inputs))
                         if i != head.position]
@@ -336,11 +344,11 @@ _VOCAB_TILE = 2048
 
 
 def _logits_by_vocab_tiles(hidden, weight, bias, weight_transposed, out=None):
-    """`hidden @ W.T (+ bias)` as `[rows, V]` (the TP lm_head's, `vocab_parallel_gradients`; this
-    module's own are one GEMM, see `LinearHeadProgram._logits`), computed a vocabulary tile at a time as
+    """`hidden @ W.T (+ bias)` as `[rows, V]`, computed a vocabulary tile at a time as
     `(W[tile] @ hidden.T).T`: for a block of a few hundred rows MKL multiplies the weight as the
     left operand about 30 % faster than `hidden @ W.T` (0.77 s against 1.10 s for T=1920, H=1024,
-    V=32768 in 160-row blocks, fp32, 2 cores), and each tile's transpose is a copy in cache."""
+    V=32768 in 160-row blocks, fp32, 2 cores), and each tile's transpose is a copy in cache (where
+    it pays: `LinearHeadProgram._logits`)."""
     vocab = weight.shape[1] if weight_transposed else weight.shape[0]
     if out is None:
         out = torch.empty(hidden.shape[0], vocab, dtype=hidden.dtype, device=hidden.device)
@@ -431,11 +439,12 @@ class _HeadGradients:
         hidden_block = self.hidden[rows]
         transposed = self.head.weight_transposed
         if self.hidden_grad is not None:
-            # [block, V] @ [V, H] into the block's rows of the gradient. On the CPU as
+            # [block, V] @ [V, H] into the block's rows of the gradient. On the CPU for fp32 as
             # (W.T @ dlogits.T).T: MKL streams the weight faster as the left operand (0.79 s
-            # against 0.92 s for T=1920, H=1024, V=32768 in 160-row blocks, fp32, 2 cores).
+            # against 0.92 s for T=1920, H=1024, V=32768 in 160-row blocks, 2 cores); not for bf16
+            # (88 ms against 83 ms for a 224-row block).
             weight = self.weight.t() if transposed else self.weight
-            if dlogits.device.type == "cpu":
+            if dlogits.device.type == "cpu" and dlogits.element_size() >= 4:
                 self.hidden_flat[rows].copy_(torch.mm(weight.t(), dlogits.t()).t())
             else:
                 torch.mm(dlogits, weight, out=self.hidden_flat[rows])
