@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphpass
 from graphpass.ops import chunked_op
 from graphpass.ops.joint import NotTileable, on_column_tile
+from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 
 T, H, V = 13, 8, 300
 # A small budget: tiles of 256 columns (the least), so V=300 makes two, the second of 44.
@@ -85,17 +86,12 @@ def token_masked(hidden, weight, tokens, old_logp, adv, mask, allowed):
     return -(torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1) * adv).sum()
 
 
-def _batch(dtype, *, rows=T, vocab=V, weight_shape=None, bias=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(rows, H, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(*(weight_shape or (vocab, H)), generator=g) / H ** 0.5).to(dtype).requires_grad_()
-    tokens = torch.randint(0, vocab - 7, (rows,), generator=g)
-    old_logp = -torch.rand(rows, generator=g) * 3 - 4
-    adv = torch.randn(rows, generator=g)
-    mask = (torch.rand(rows, generator=g) < 0.8).float()
-    tensors = [hidden, weight, tokens, old_logp, adv, mask]
-    if bias:
-        tensors.append((torch.randn(vocab, generator=g) * 0.1).to(dtype).requires_grad_())
+def _batch(dtype, *, rows=T, vocab=V, weight_shape=None, bias=False):
+    """tests/test_lm_head.py's batch at these sizes, the sampled tokens off the masked entries
+    and the old log-probs near this vocabulary's."""
+    tensors = lm_head_batch(rows, dtype=dtype, hidden_size=H, vocab=vocab, bias=bias, weight_shape=weight_shape)
+    tensors[2] %= vocab - 7
+    tensors[3] -= 4
     return tensors
 
 
