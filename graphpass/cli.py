@@ -3,7 +3,8 @@
 Captures the function with Dynamo on fake tensors (production shapes cost nothing), runs
 graphpass's rewrite, and prints the captured graphs, each candidate region with its source line
 and whether it was rewritten (and why not), and the memory table. Exit codes: 0 success,
-1 the capture failed, 2 a bad command line or spec.
+1 graphpass failed, 2 a bad command line or spec, or the function fails on the given inputs
+(the first line of its error and the line of the user's code that raised it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import argparse
 import contextlib
 import importlib.util
 import inspect
+import logging
 import os
+import re
 import sys
 
 USAGE_EXAMPLE = ("graphpass inspect examples/ppo_loss.py:ppo_loss --input logits=32768x151936:bfloat16 "
@@ -213,21 +216,67 @@ def inspect_command(args) -> int:
 
     try:
         # With --json, stdout carries the JSON only: whatever the user's code prints goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        # torch logs a failing fake-tensor call with its traceback: the one line below says it.
+        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout), _quiet_fake_tensor_log():
             results = explain_mod.capture(fn, (), kwargs, config, dump_dir=args.dump)
         rep = explain_mod.build_report(
             results, function=args.target,
             inputs={**{n: _input_text(shape, dtype, kwargs[n]) for n, shape, dtype, _ in tensor_specs},
                     **{k: repr(v) for k, v in scalars.items()}},
             with_graphs=not args.no_graphs)
-    except Exception as e:  # a capture failure is not a spec error: exit 1, still one line
-        first = (str(e).strip().splitlines() or [""])[0]
-        return _fail(f"capture of {args.target} failed: {type(e).__name__}: {first}", 1)
+    except Exception as e:  # noqa: BLE001 - one line, whatever failed
+        return _capture_failure(args.target, e)
     if args.json:
         sys.stdout.write(report.to_json(rep) + "\n")
     else:
         sys.stdout.write(report.render_text(rep, show_graphs=not args.no_graphs))
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# Dynamo's record of where in the user's code it was: `File "PATH", line N, in NAME` and the line.
+_USER_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in \S+\n\s*(?P<code>[^\n]*)')
+
+
+def _capture_failure(target: str, error: Exception) -> int:
+    """One line for a failed capture. An error raised by the user's code on the given inputs
+    (Dynamo wraps it: the cause is the innermost exception) is the inputs' fault: exit 2, with the
+    user's line. Anything else failed inside graphpass or torch: exit 1."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    chain, seen = [], set()
+    e = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(isinstance(x, BackendCompilerFailed) for x in chain):
+        cause = chain[-1]
+        return _fail(f"graphpass failed on {target}: {type(cause).__name__}: {_first_line(cause)} "
+                     "(a bug in graphpass: please report it with this command line)", 1)
+    cause = chain[-1]
+    frames = [m for m in _USER_FRAME.finditer(str(error)) if not m["path"].startswith(_PACKAGE_DIR)]
+    where = f" at {os.path.relpath(frames[-1]['path'])}:{frames[-1]['line']} ({frames[-1]['code'].strip()})" \
+        if frames else ""
+    return _fail(f"{target} fails on these inputs{where}: {type(cause).__name__}: {_first_line(cause)}; "
+                 "check the --input shapes and dtypes against what the function expects", 2)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def _input_text(shape, dtype, tensor) -> str:

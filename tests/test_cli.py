@@ -147,3 +147,36 @@ def test_production_shapes_allocate_nothing():
     assert data["graphs"][0]["peak_before"] > 19_000_000_000  # eager would need > 4 fp32 copies
     peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     assert peak_rss < 4 * 2**30
+
+
+def test_inputs_the_function_cannot_take_are_one_line_with_the_cause_and_exit_2(capfd):
+    # 1-D logits: torch's gather refuses them while Dynamo traces. The cause is torch's own message
+    # and the user's line, not Dynamo's wrapper, and torch's logged traceback stays out of stderr.
+    argv = ["inspect", PPO + ":ppo_loss", "--input", "logits=64", "--input", "tokens=64:int64",
+            "--input", "old_logp=64", "--input", "advantages=64", "--input", "mask=64"]
+    code = main(argv)
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Index tensor must have the same number of dimensions as input tensor" in lines[0]
+    assert "ppo_loss.py:26" in lines[0] and "gather" in lines[0]
+    assert "TorchRuntimeError" not in lines[0]
+
+
+def test_an_error_raised_by_the_user_code_is_its_cause(tmp_path, capfd):
+    user = tmp_path / "checks.py"
+    user.write_text(textwrap.dedent("""
+        import torch
+
+        def loss(logits):
+            if logits.shape[-1] < 100:
+                raise ValueError("the vocabulary is too small")
+            return logits.log_softmax(-1).sum()
+    """))
+    code = main(["inspect", f"{user}:loss", "--input", "logits=4x8"])
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert err.strip().splitlines() == [err.strip()]
+    assert "ValueError: the vocabulary is too small" in err
