@@ -75,12 +75,10 @@ class PeakEstimate:
 
 @dataclasses.dataclass
 class MemoryEstimate:
-    """Peak before and after graphpass's rewrite of one graph, and what each site removes."""
+    """Peak before and after graphpass's rewrite of one graph."""
 
     before: PeakEstimate
     after: PeakEstimate
-    site_bytes_saved: list[int]
-    """Bytes each rewritten site removes from the peak, in `GraphRecord.sites` order."""
 
     @property
     def bytes_saved(self) -> int:
@@ -382,26 +380,9 @@ def estimate_peak(gm: torch.fx.GraphModule, fake_inputs, sites=()) -> PeakEstima
 
 
 def estimate_rewrite(result) -> MemoryEstimate:
-    """Before/after peaks of a `RewriteResult` and the bytes each site removes.
-
-    With several sites the total saving is split in proportion to each site's wide-input
-    elements (rows x V): sites that do the same thing on the same shapes save the same.
-    """
+    """Before/after peaks of a `RewriteResult`: the graph's, not a site's (sites share one peak)."""
     before = estimate_peak(result.before, result.fake_inputs)
     sites = list(getattr(result.record, "sites", []) or [])
     rewritten = result.after is not None and result.after is not result.before and sites
     after = estimate_peak(result.after, result.fake_inputs, sites) if rewritten else before
-    saved = before.peak_bytes - after.peak_bytes
-    weights = [_site_weight(s) for s in sites]
-    total = sum(weights)
-    per_site = [saved * w // total if total else 0 for w in weights] if rewritten else [0] * len(sites)
-    if per_site and rewritten:
-        per_site[-1] += saved - sum(per_site)  # rounding
-    return MemoryEstimate(before=before, after=after, site_bytes_saved=per_site)
-
-
-def _site_weight(site) -> int:
-    n = 1
-    for s in site.shape:
-        n *= s if isinstance(s, int) else 1
-    return max(1, n) * max(1, site.wide_inputs)
+    return MemoryEstimate(before=before, after=after)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 
 import torch
 
@@ -33,7 +34,6 @@ class SiteReport:
     chunk_auto: bool
     entropy_grad: str
     """"kept", "dropped", or "-" when the site computes no entropy."""
-    bytes_saved: int
     temperature: str | None = None
     tp_size: int = 1
     """Ranks the vocabulary is split across (1: not vocab-parallel)."""
@@ -83,8 +83,6 @@ class GraphReport:
     baseline_bytes: int
     fallback_reason: str | None = None
     passes_run: list[str] = dataclasses.field(default_factory=list)
-    measured_before: int | None = None
-    measured_after: int | None = None
     graph_before: str | None = None
     """Readable code of the captured ATen graph (CLI and explain only)."""
     graph_after: str | None = None
@@ -139,18 +137,16 @@ def _entropy_grad(site: SiteRecord) -> str:
     return "kept" if any(o.keeps_grad for o in ent) else "dropped"
 
 
-def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, measured_after=None,
-                       graph_before: str | None = None, graph_after: str | None = None) -> GraphReport:
+def build_graph_report(record: GraphRecord, estimate, *, graph_before: str | None = None,
+                       graph_after: str | None = None) -> GraphReport:
     """A `GraphReport` from what the backend recorded and the memory model's `MemoryEstimate`."""
-    saved = list(estimate.site_bytes_saved) if estimate is not None else []
-    saved += [0] * (len(record.sites) - len(saved))
     sites = []
-    for site, nbytes in zip(record.sites, saved):
+    for site in record.sites:
         temps = [o.temperature for o in site.outputs if o.temperature]
         sites.append(SiteReport(
             source=site.source, kind=site.kind, shape=[str(s) if not isinstance(s, int) else s for s in site.shape],
             dtype=_dtype_name(site.dtype), chunk_size=_chunk_rows(site), chunk_auto=site.chunk_size is None,
-            entropy_grad=_entropy_grad(site), bytes_saved=int(nbytes), temperature=temps[0] if temps else None,
+            entropy_grad=_entropy_grad(site), temperature=temps[0] if temps else None,
             tp_size=site.tp_size, collectives=", ".join(f"{c.op} {human_bytes(c.bytes)}" for c in site.collectives),
             lm_head=site.lm_head, gradients_in_forward=site.gradients_in_forward))
     candidates = [CandidateReport(s.source, True, kind=s.kind) for s in record.sites]
@@ -162,7 +158,6 @@ def build_graph_report(record: GraphRecord, estimate, *, measured_before=None, m
         peak_before=before.peak_bytes if before else 0, peak_after=after.peak_bytes if after else 0,
         floor_bytes=before.floor_bytes if before else 0, baseline_bytes=before.baseline_bytes if before else 0,
         fallback_reason=record.fallback_reason, passes_run=list(record.passes_run),
-        measured_before=measured_before, measured_after=measured_after,
         graph_before=graph_before, graph_after=graph_after,
         cp=[CpReport(c.source, c.rewritten, c.reason, list(c.reductions), _collectives_text(c.collectives))
             for c in record.cp])
@@ -173,16 +168,21 @@ def _collectives_text(collectives) -> str:
 
 
 # ---- rendering ------------------------------------------------------------------------------------
-def human_bytes(n: int | None) -> str:
-    """1536 -> "1.5 KiB"; MiB below 1 GiB, GiB above."""
+WIDTH = 100
+"""Every line the text report prints fits this many columns (tables and notes alike)."""
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def human_bytes(n: int | None, like: int | None = None) -> str:
+    """1536 -> "1.5 KiB"; MiB below 1 GiB, GiB above. With `like`, in the unit `like` would take,
+    so that numbers read side by side share one ("1.25 GiB -> 0.13 GiB", not "-> 128.0 MiB")."""
     if n is None:
         return ""
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.2f} {unit}" if unit == "GiB" else f"{sign}{n / scale:.1f} {unit}"
-    return f"{sign}{n} B"
+    ref = abs(n if like is None else like)
+    unit, scale = next(((u, s) for u, s in _UNITS if ref >= s), ("B", 1))
+    if unit == "B":
+        return f"{n} B"
+    return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
 
 
 def _pct(part: int, whole: int) -> str:
@@ -197,66 +197,71 @@ def _shape_text(site: SiteReport) -> str:
 def _chunk_text(site: SiteReport) -> str:
     if site.chunk_size is None:
         return "auto"
-    return f"auto ({site.chunk_size})" if site.chunk_auto else str(site.chunk_size)
+    return f"{site.chunk_size} (auto)" if site.chunk_auto else str(site.chunk_size)
+
+
+def _lm_head_text(site: SiteReport) -> str:
+    if not site.lm_head:
+        return "-"
+    return "fused+fwd" if site.gradients_in_forward else "fused"
 
 
 def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows of a graph's table (the last row is the total)."""
-    measured = graph.measured_before is not None or graph.measured_after is not None
-    # Vocab-parallel columns only where a site is vocab-parallel (the logits shape is the slice).
-    parallel = any(s.tp_size > 1 for s in graph.sites)
-    # An lm_head column only where a site computes its logits from the hidden states.
+    """Headers and rows of a graph's site table, one row per site. Memory is the graph's, below
+    the table (`summary_lines`): sites share one peak, a site alone has no share of it."""
+    # An lm_head column only where a site computes its logits from the hidden states. A
+    # vocab-parallel site (its logits shape is the rank's slice) says so below the table.
     head = any(s.lm_head for s in graph.sites)
-    headers = ["site", "computes", "logits", "chunk", "entropy grad"]
-    if head:
-        headers += ["lm_head"]
-    if parallel:
-        headers += ["tp", "collectives per call"]
-    headers += ["est. before", "est. after", "est. saved", "saved %"]
-    if measured:
-        headers += ["meas. before", "meas. after", "meas. saved"]
-    rows = []
-    single = len(graph.sites) == 1
-    for s in graph.sites:
-        # Before/after are whole-graph peaks: only a graph's single site owns them.
-        row = [s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad]
-        if head:
-            row += [("fused, gradients in forward" if s.gradients_in_forward else "fused (never stored)")
-                    if s.lm_head else "-"]
-        if parallel:
-            row += [str(s.tp_size), s.collectives or "none"]
-        row += [human_bytes(graph.peak_before) if single else "", human_bytes(graph.peak_after) if single else "",
-                human_bytes(s.bytes_saved), _pct(s.bytes_saved, graph.peak_before)]
-        if measured:
-            row += ["", "", ""]
-        rows.append(row)
-    total = [f"total (graph {graph.index}, {len(graph.sites)} site{'s' if len(graph.sites) != 1 else ''})",
-             "", "", "", ""] + ([""] if head else []) + (["", ""] if parallel else []) + [
-             human_bytes(graph.peak_before), human_bytes(graph.peak_after),
-             human_bytes(graph.bytes_saved), _pct(graph.bytes_saved, graph.peak_before)]
-    if measured:
-        saved = (graph.measured_before - graph.measured_after
-                 if graph.measured_before is not None and graph.measured_after is not None else None)
-        total += [human_bytes(graph.measured_before), human_bytes(graph.measured_after), human_bytes(saved)]
-    rows.append(total)
+    headers = ["site", "computes", "logits", "rows/chunk", "entropy grad"] + ["lm_head"] * head
+    rows = [[s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad] + [_lm_head_text(s)] * head
+            for s in graph.sites]
     return headers, rows
 
 
+def summary_lines(graph: GraphReport) -> list[str]:
+    """The graph's estimated peak before and after, its floor, and what the table's cells mean."""
+    before, after, floor = graph.peak_before, graph.peak_after, graph.floor_bytes
+    peak = "peak (estimated, forward+backward, above the inputs): "
+    if not before:
+        lines = ["no memory estimate for this graph"]
+    elif graph.sites:
+        lines = [f"{peak}{human_bytes(before)} as written -> {human_bytes(after, like=before)} "
+                 f"({_pct(graph.bytes_saved, before)} less)",
+                 f"floor (bytes of the inputs' gradients): {human_bytes(floor, like=before)}"
+                 + (f"; rewritten peak = {after / floor:.2f} x floor" if floor else "")]
+    else:
+        lines = [f"{peak}{human_bytes(before)}; floor (bytes of the inputs' gradients): "
+                 f"{human_bytes(floor, like=before)}"]
+    if any(s.lm_head for s in graph.sites):
+        lines.append("lm_head fused: the op computes the logits a block at a time from the hidden states"
+                     + ("; fused+fwd: and their gradients, in the forward"
+                        if any(s.gradients_in_forward for s in graph.sites) else ""))
+    lines += [f"{s.source}: vocab-parallel over {s.tp_size} ranks, per call {s.collectives or 'no collective'}"
+              for s in graph.sites if s.tp_size > 1]
+    if graph.fallback_reason:
+        lines.append(f"graph ran unchanged: {graph.fallback_reason}")
+    lines += [render_cp(c) for c in graph.cp]
+    return lines
+
+
+def _wrapped(line: str) -> str:
+    return textwrap.fill(line, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+
+
 def render_table(graph: GraphReport) -> str:
-    """The memory-savings table of one graph (tabulate, human units)."""
-    from tabulate import tabulate
+    """The sites table of one graph (tabulate) and its memory summary, within `WIDTH` columns."""
+    import tabulate
 
     headers, rows = table_rows(graph)
-    text = tabulate(rows, headers=headers, tablefmt="simple")
-    notes = [f"peak bytes of one forward+backward above the inputs; floor (input grads) = "
-             f"{human_bytes(graph.floor_bytes)}"]
-    if any(s.lm_head for s in graph.sites):
-        notes.append("lm_head fused: the op computes the logits chunk by chunk from the hidden states; "
-                     "the floor is their gradient and the weight's")
-    if graph.fallback_reason:
-        notes.append(f"graph ran unchanged: {graph.fallback_reason}")
-    notes += [render_cp(c) for c in graph.cp]
-    return text + "\n" + "\n".join(notes)
+    # A long source path wraps within its column rather than push the table past the width, and
+    # headers get no padding beyond the columns' two-space gaps (tabulate's MIN_PADDING, a global).
+    padding, tabulate.MIN_PADDING = tabulate.MIN_PADDING, 0
+    try:
+        table = tabulate.tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True,
+                                  maxcolwidths=[24] + [None] * (len(headers) - 1)) if rows else "no site rewritten"
+    finally:
+        tabulate.MIN_PADDING = padding
+    return "\n".join([table, *map(_wrapped, summary_lines(graph))])
 
 
 def render_cp(c: CpReport) -> str:
@@ -273,7 +278,8 @@ def render_candidates(graph: GraphReport) -> str:
     lines = []
     for c in graph.candidates:
         what = f"rewritten ({c.kind})" if c.rewritten else f"not rewritten: {c.reason}"
-        lines.append(f"  {c.source}: {what}")
+        lines.append(textwrap.fill(f"  {c.source}: {what}", WIDTH, subsequent_indent="      ",
+                                   break_long_words=False, break_on_hyphens=False))
     return "\n".join(lines)
 
 
@@ -283,7 +289,7 @@ def render_text(report: Report, *, show_graphs: bool = True) -> str:
     if report.function:
         out.append(f"graphpass inspect {report.function}")
     if report.inputs:
-        out.append("inputs: " + ", ".join(f"{k}={v}" for k, v in report.inputs.items()))
+        out.append(_wrapped("inputs: " + ", ".join(f"{k}={v}" for k, v in report.inputs.items())))
     if not report.graphs:
         out.append("no graph was captured (nothing for Dynamo to trace)")
     for g in report.graphs:

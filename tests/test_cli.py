@@ -80,7 +80,9 @@ def test_inspect_prints_graph_candidates_and_table(capsys):
     assert "log_softmax" in out
     assert "== graph 0: candidates ==" in out
     assert "ppo_loss.py:" in out  # the candidate's (or site's) source line
-    assert "est. before" in out and "total (graph 0" in out
+    assert "as written" in out and "x floor" in out
+    report = out[out.index("== graph 0: candidates =="):]  # the graphs' code aside, every line fits
+    assert max(map(len, report.splitlines())) <= 100
     assert "logits=64x128:bfloat16 (grad)" in out
 
 
@@ -91,8 +93,8 @@ def test_inspect_json_is_json_only(capsys):
     (g,) = data["graphs"]
     assert g["peak_before"] > 0 and g["floor_bytes"] >= 64 * 128 * 2  # logits.grad (+ the [T] float inputs')
     assert len(g["sites"]) == 1  # the core rewrites the log-prob + entropy region
-    for s in g["sites"]:  # where a rewrite happened, it saves memory
-        assert s["bytes_saved"] > 0 and s["source"].startswith("ppo_loss.py:")
+    for s in g["sites"]:
+        assert s["source"].startswith("ppo_loss.py:")
         assert "logprob" in s["kind"] and s["entropy_grad"] == "dropped"  # ent_coef defaults to 0.0
     assert g["peak_after"] < g["peak_before"]
     assert data["inputs"]["temperature"] == "0.7"

@@ -150,7 +150,6 @@ def test_chunked_op_peak_is_floor_plus_one_chunk(standin, dtype):
     assert wide(dtype) + workspace <= est.after.peak_bytes < wide(dtype) + workspace + 64 * T
     assert est.after.workspace_bytes == workspace
     assert est.bytes_saved == est.before.peak_bytes - est.after.peak_bytes > 0
-    assert est.site_bytes_saved == [est.bytes_saved]
     assert 0 < est.fraction_saved < 1
 
 
@@ -185,17 +184,11 @@ def test_readers_of_records_never_import_the_op_registry(module):
     assert not [name for name in imported if "chunked_op" in name]
 
 
-def test_savings_split_over_sites(standin):
-    est = memory.estimate_rewrite(rewrite_result(n_sites=2))
-    assert sum(est.site_bytes_saved) == est.bytes_saved
-    assert abs(est.site_bytes_saved[0] - est.site_bytes_saved[1]) <= 1
-
-
 def test_no_sites_means_no_change():
     before, fakes = capture_before(ppo_loss, *fake_ppo_inputs())
     result = types.SimpleNamespace(before=before, after=before, fake_inputs=fakes, record=GraphRecord(index=0))
     est = memory.estimate_rewrite(result)
-    assert est.bytes_saved == 0 and est.site_bytes_saved == []
+    assert est.bytes_saved == 0
 
 
 # ---- agreement with measurement ----------------------------------------------------------------------
