@@ -10,7 +10,9 @@ of an importable module; spawned, never forked, so that each rank initialises CU
 `torch.set_num_threads(1)`; under NCCL the rank's current CUDA device is `cuda:<rank>`
 (`device()` inside the rank gives it, or the CPU under gloo). Its return value (anything `torch.save` takes) comes back to the parent
 in rank order. An exception in a rank is re-raised in the parent as `RankFailed` with that rank's
-traceback text (the first rank to fail; the others' last lines follow); a rank still running at the deadline is killed, and the test fails saying which.
+traceback text (the first rank to fail; the others' last lines follow); a rank still running at the deadline is killed, and the test fails saying which,
+where each was (inside which logged collective, or computing since its last), its Python stack, and whether that
+looks like a hang. The deadline follows the machine: `timeout_s` is a quiet machine's, stretched by the load.
 
 Inside a rank, every collective called through `torch.distributed` is logged (name, shapes,
 dtypes, reduce op, group size): `collective_log()` is the list so far, `collectives()` a context
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import functools
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -40,6 +44,7 @@ LOGGED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all
 
 _LOG: list[tuple] = []
 _DEPTH = [0]  # a logged collective that calls another (a deprecated alias) is logged once
+_STATUS: list[str] = []  # inside a rank: the file saying which collective it is in, for the parent
 
 
 class RankFailed(AssertionError):
@@ -104,14 +109,25 @@ def _logged(name, fn):
             tensors = tuple(d for d in map(_describe, args) if d is not None)
             op = kwargs.get("op")
             _LOG.append((name, tensors, None if op is None else str(op), size))
+            _write_status("in", name)
         _DEPTH[0] += 1
         try:
             return fn(*args, **kwargs)
         finally:
             _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                _write_status("after", name)
 
     wrapper.__graphpass_logged__ = True
     return wrapper
+
+
+def _write_status(where: str, name: str) -> None:
+    """"in NAME" or "after NAME", the collective's number and the time: what the parent can say of
+    a rank still running at the deadline (a few microseconds per collective)."""
+    if _STATUS:
+        with open(_STATUS[0], "w") as f:
+            f.write(f"{where} {name} {len(_LOG)} {time.time()}")
 
 
 def _install_collective_log() -> None:
@@ -137,6 +153,10 @@ def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s, backend="glo
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), TORCH_DISTRIBUTED_DEBUG="DETAIL")
         _install_collective_log()
+        _STATUS[:] = [os.path.join(out_dir, f"rank{rank}.status")]
+        # The parent asks for this rank's Python stack (SIGUSR1) before it kills it at the deadline.
+        stack_file = open(os.path.join(out_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115 - the process's lifetime
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank, before NCCL binds its communicator
         dist.init_process_group(backend, rank=rank, world_size=world_size,
@@ -160,24 +180,44 @@ def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s, backend="glo
 
 
 # ---- the parent -------------------------------------------------------------------------------
+# A loaded machine stretches a deadline by its load (1-minute load average over CPUs) up to this
+# factor; DEADLINE_SCALE (environment) multiplies every deadline, for a machine known to be slow.
+MAX_LOAD_STRETCH = 4.0
+
+
+def load_stretch() -> float:
+    """How much slower than a quiet machine this one runs now: load average / CPUs, in [1, MAX_LOAD_STRETCH]."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return min(MAX_LOAD_STRETCH, max(1.0, load / (os.cpu_count() or 1)))
+
+
 def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0, grace_s: float = 5.0,
               backend: str = "gloo") -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks of a `backend` group; its results in rank order.
 
-    Raises `RankFailed` naming the rank, with its traceback, if one raised or crashed, and naming the
-    ranks still running (after killing them) if they did not all finish within `timeout_s`. A rank
-    that raised leaves its peers `grace_s` to finish before they are killed (they may be waiting
-    in a collective it never reached). NCCL needs a GPU per rank: fewer raise ValueError at once.
+    `timeout_s` is what the ranks may take on a quiet machine: the deadline follows the machine,
+    each second of waiting counting 1 / `load_stretch()` (times `DEADLINE_SCALE` from the
+    environment). Raises `RankFailed` naming the rank, with its traceback, if one raised or
+    crashed, and naming the ranks still running (after killing them) if they did not all finish
+    by the deadline, with what is known of each (in which logged collective, or computing since
+    its last one). A rank that raised leaves its peers `grace_s` to finish before they are killed
+    (they may be waiting in a collective it never reached). NCCL needs a GPU per rank: fewer raise
+    ValueError at once.
     """
+    timeout_s *= float(os.environ.get("DEADLINE_SCALE", "1") or 1)
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"{world_size} NCCL ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="graphpass-ranks-") as out_dir:
-        # Each rank's process-group timeout ends before the deadline, so that a hang in a
-        # collective surfaces as that rank's own error, with a traceback, where gloo allows.
-        pg_timeout = max(5.0, timeout_s - 10.0)
+        # Each rank's process-group timeout ends after the longest deadline: a rank waiting for a
+        # slow peer must not fail first; at the deadline the parent takes every rank's stack.
+        pg_timeout = timeout_s * MAX_LOAD_STRETCH + 10.0
         context = mp.start_processes(_entry, args=(fn, world_size, free_port(), args, out_dir, pg_timeout, backend),
                                      nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
+        start = last = time.monotonic()
+        budget_used, peak_stretch = 0.0, 1.0
         failed_at = None
         results: dict[int, tuple] = {}
         try:
@@ -197,9 +237,14 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
                 if len(results) == world_size:
                     break
                 now = time.monotonic()
-                if now > deadline or (failed_at is not None and now > failed_at + grace_s):
+                stretch = load_stretch()
+                budget_used, last, peak_stretch = budget_used + (now - last) / stretch, now, max(peak_stretch, stretch)
+                if budget_used > timeout_s or (failed_at is not None and now > failed_at + grace_s):
                     break
                 time.sleep(0.05)
+            statuses = {rank: _read_status(out_dir, rank) for rank in range(world_size)}
+            waited = time.monotonic() - start
+            stacks = _stacks(context.processes, out_dir, [r for r in range(world_size) if r not in results])
         finally:
             for process in context.processes:
                 if process.is_alive():
@@ -217,6 +262,64 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 60.0,
         raise RankFailed(f"rank {first} of {world_size} failed:\n{results[first][1]}{others}")
     missing = [rank for rank in range(world_size) if rank not in results]
     if missing:
-        raise RankFailed(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s and were killed "
-                         "(a hang: ranks issuing different collectives?)")
+        raise RankFailed(_overran(missing, world_size, timeout_s, waited, peak_stretch, statuses) + stacks)
     return [results[rank][1] for rank in range(world_size)]
+
+
+def _stacks(processes, out_dir: str, ranks: list[int]) -> str:
+    """The Python stacks of the ranks still running (faulthandler, on SIGUSR1), innermost frame first."""
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    time.sleep(0.5 if ranks else 0)
+    text = ""
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(out_dir, f"rank{rank}.stack")) as f:
+                frames = [line.strip() for line in f.read().splitlines() if line.strip().startswith("File ")]
+            if frames:
+                text += f"\nrank {rank}'s stack (innermost first): " + " <- ".join(frames[:6])
+    return text
+
+
+def _read_status(out_dir: str, rank: int) -> tuple | None:
+    """(where, collective, number, time) of a rank's last logged collective, or None before any."""
+    try:
+        with open(os.path.join(out_dir, f"rank{rank}.status")) as f:
+            where, name, number, at = f.read().split()
+        return where, name, int(number), float(at)
+    except (OSError, ValueError):
+        return None
+
+
+def _overran(missing: list[int], world_size: int, timeout_s: float, waited: float, stretch: float,
+             statuses: dict) -> str:
+    """What a deadline can tell: which ranks ran on, where each was, and whether that looks like a hang."""
+    now = time.time()
+
+    def where(rank):
+        st = statuses.get(rank)
+        if st is None:
+            return f"rank {rank}: no torch.distributed collective yet"
+        state, name, number, at = st
+        if state == "in":
+            return f"rank {rank}: inside {name} (collective #{number}) for {now - at:.0f} s"
+        return f"rank {rank}: computing, {now - at:.0f} s after {name} (collective #{number})"
+
+    waiting = [r for r in range(world_size) if statuses.get(r) and statuses[r][0] == "in"]
+    others = [r for r in range(world_size) if r not in waiting]
+    calls = {statuses[r][1:3] for r in waiting}
+    if len(calls) > 1:
+        verdict = "the ranks wait in different collectives: a hang (they issue different ones)"
+    elif waiting and others:
+        verdict = (f"ranks {waiting} wait in a collective ranks {others} have not reached: a hang if they never "
+                   "do, else they compute slowly")
+    elif waiting:
+        verdict = "every rank waits in the same collective: a hang inside it, or a slow transport"
+    else:
+        verdict = ("no rank waits in a torch.distributed collective: slow computing, or a hang this cannot see "
+                   "(functional collectives are not logged); rerun on a quiet machine or raise timeout_s "
+                   "(DEADLINE_SCALE=2 doubles every deadline)")
+    return (f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s on a quiet machine "
+            f"({waited:.0f} s waited, load up to {stretch:.1f} x the CPUs) and were killed; "
+            + "; ".join(where(r) for r in range(world_size)) + f". {verdict}")

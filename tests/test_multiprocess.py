@@ -3,12 +3,14 @@ with its traceback, a hung rank killed at the deadline, and each rank's collecti
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bench import ranks
 from bench.ranks import RankFailed, collective_log, collectives, run_ranks
 
 
@@ -34,6 +36,12 @@ def _sleep(rank, world_size):
     time.sleep(60)
 
 
+def _one_waits(rank, world_size):
+    if rank == 0:
+        dist.barrier()  # rank 1 is still computing: rank 0 waits here
+    time.sleep(60)
+
+
 def test_results_in_rank_order_and_collectives_logged():
     results = run_ranks(_log_and_sum, 2, timeout_s=60)
     (log0, t0, out0), (log1, t1, out1) = results
@@ -53,6 +61,32 @@ def test_a_rank_exception_is_reraised_with_its_traceback():
 
 def test_a_hung_rank_is_killed_at_the_deadline():
     start = time.monotonic()
-    with pytest.raises(RankFailed, match=r"did not finish within 3 s and were killed"):
+    with pytest.raises(RankFailed, match=r"did not finish within 3 s on a quiet machine") as info:
         run_ranks(_sleep, 2, timeout_s=3)
     assert time.monotonic() - start < 20
+    # What it cannot tell, it says so: no rank was in a collective.
+    assert "rank 0: no torch.distributed collective yet" in str(info.value)
+    assert "no rank waits in a torch.distributed collective: slow computing, or a hang" in str(info.value)
+
+
+def test_the_deadline_says_which_rank_waits_in_which_collective():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_one_waits, 2, timeout_s=8)
+    text = str(info.value)
+    assert "rank 0: inside barrier (collective #1)" in text, text
+    assert "rank 1: no torch.distributed collective yet" in text
+    assert "ranks [0] wait in a collective ranks [1] have not reached" in text
+    assert "rank 1's stack (innermost first): File" in text and "in _one_waits" in text
+
+
+def test_the_deadline_follows_the_load(monkeypatch):
+    # Twice as many runnable processes as CPUs: each second of waiting counts half.
+    monkeypatch.setattr(ranks.os, "getloadavg", lambda: (2.0 * os.cpu_count(), 0.0, 0.0))
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"within 3 s on a quiet machine \((\d+) s waited, load up to 2.0 x"):
+        run_ranks(_sleep, 2, timeout_s=3)
+    assert time.monotonic() - start >= 6
+    monkeypatch.setenv("DEADLINE_SCALE", "2")
+    monkeypatch.setattr(ranks.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    with pytest.raises(RankFailed, match=r"within 6 s on a quiet machine"):
+        run_ranks(_sleep, 2, timeout_s=3)
