@@ -1,7 +1,7 @@
 """Benchmark suite: peak memory and time of RL losses over logits [T, V], per method, each run isolated.
 
     python -m bench.suite                 # full grid; table on stdout, JSON + PNGs in bench/results/
-    python -m bench.suite --quick --out /tmp/x   # one small configuration per method (CI)
+    python -m bench.suite --quick         # one small configuration per method (CI), into a temporary directory
 
 The grid (T x V x dtype x method) runs the PPO loss of issue 2; the other workloads (GRPO, entropy
 coefficient 0.01, temperature 1.0) run at one shape and the first dtype. Configurations that cannot fit this machine's
@@ -25,6 +25,7 @@ from bench.methods import METHODS
 from bench.workloads import Workload
 
 MAIN_WORKLOAD = "ppo-t0.7-e0"
+RESULTS = Path(__file__).parent / "results"
 GRID_T = (1024, 4096, 16384)
 GRID_V = (32768, 151936)
 DTYPES = ("fp32", "bf16")
@@ -70,7 +71,11 @@ def model_peaks(workload: str, T: int, V: int, dtype: str) -> dict[str, int]:
         from graphpass.pipeline import rewrite_graph
         from graphpass.records import GraphRecord
 
-        fn = Workload.parse(workload).loss_fn(workloads.logprob_entropy)
+        loss = Workload.parse(workload).loss_fn(workloads.logprob_entropy)
+
+        def fn(logits, targets, mask, advantages, old_logp, ref_logp):  # a tuple out, as Dynamo's graphs
+            return (loss(logits, targets, mask, advantages, old_logp, ref_logp),)
+
         with FakeTensorMode():
             batch = workloads.make_batch(T, V, getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]),
                                          "cpu", Workload.parse(workload).temperature)
@@ -181,7 +186,8 @@ def _workload_key(key: str) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"one {QUICK_SHAPE} fp32 configuration per method (CI)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="directory for JSON + PNGs")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for JSON + PNGs (default bench/results; with --quick a new temporary directory)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--T", nargs="+", type=int, default=list(GRID_T))
     p.add_argument("--V", nargs="+", type=int, default=list(GRID_V))
@@ -206,6 +212,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="base seconds per worker before it is killed")
     args = p.parse_args(argv)
     fill_device_and_memory_limit(args)
+    if args.out is None:  # a quick run is a check: it writes nothing into the checkout
+        args.out = Path(tempfile.mkdtemp(prefix="graphpass-suite-quick-")) if args.quick else RESULTS
     return args
 
 
