@@ -7,7 +7,14 @@
   logit and, for the entropy, of sum(softmax * x); the whole fp32 softmax saved; a hand-written
   backward with no collective. `slime_style_logprob_entropy` calls it as slime's
   `calculate_log_probs_and_entropy` does (optionally one Function per chunk of rows).
-* `ppo_loss`: the token-level PPO objective both feed (clipped ratio, entropy bonus).
+* `VerlStyleEntropy`: an entropy-only `autograd.Function` written the way verl's Megatron backend
+  writes its `vocab_parallel_entropy` (our own code, same structure): the row max all-reduced MAX,
+  the sum of exp and sum(softmax * x) all-reduced SUM, entropy = max + log(sum exp) - that; the
+  logits and the whole softmax saved; a hand-written backward with no collective.
+  `megatron_logprob_entropy` calls it beside megatron-core's loss on a clone of the same logits,
+  as verl's Megatron actor does.
+* `ppo_loss`: the token-level PPO objective both feed (clipped ratio, entropy bonus, optionally
+  masked per token).
 
 Every function takes this rank's `[T, V/tp]` logits and the global targets `[T]`.
 """
@@ -29,6 +36,62 @@ def megatron_logprob(logits: torch.Tensor, target: torch.Tensor, group=None, tem
     # It writes into its input (the softmax, for its backward): hand it a tensor the caller does
     # not read again. Under graphpass the write disappears with the Function.
     return -tensor_parallel.vocab_parallel_cross_entropy(x, target)
+
+
+class VerlStyleEntropy(torch.autograd.Function):
+    """Entropy `[T]` of vocab-parallel logits `[T, V/tp]`, in the style of verl's Megatron backend."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        row_max = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - row_max).exp()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        softmax = exp.div_(sum_exp)
+        mean_x = (softmax * logits).sum(dim=-1, keepdim=True)
+        dist.all_reduce(mean_x, op=dist.ReduceOp.SUM, group=group)
+        entropy = row_max + sum_exp.log() - mean_x
+        ctx.save_for_backward(logits, softmax, mean_x)
+        return entropy.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        logits, softmax, mean_x = ctx.saved_tensors
+        # d entropy / d x_j = p_j (E[x] - x_j)
+        return softmax * (mean_x - logits) * grad_entropy[:, None], None
+
+
+def verl_style_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """Entropy `[T]` by `VerlStyleEntropy` over `group` (default: megatron-core's tensor-parallel
+    group when model parallelism is initialised, else the default group)."""
+    return VerlStyleEntropy.apply(logits, _tp_group(group))
+
+
+def _tp_group(group):
+    if group is not None:
+        return group
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_tensor_model_parallel_group()
+    except ImportError:
+        pass
+    return dist.group.WORLD
+
+
+def megatron_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
+                             with_entropy: bool = True, group=None):
+    """(log-prob `[T]`, entropy `[T]` or None) as verl's Megatron actor computes them: the logits
+    divided by the temperature, megatron-core's `vocab_parallel_cross_entropy` on a clone of them
+    (it overwrites its input), `VerlStyleEntropy` on the same logits."""
+    from megatron.core import tensor_parallel
+
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_prob = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), target)
+    return log_prob, (verl_style_entropy(logits, group) if with_entropy else None)
 
 
 class SlimeStyleLogProbEntropy(torch.autograd.Function):
@@ -103,10 +166,20 @@ def slime_style_logprob_entropy(logits, target, group=None, *, with_entropy=Fals
     return log_prob.squeeze(-1), entropy
 
 
-def ppo_loss(log_prob, old_log_prob, advantages, entropy=None, *, clip: float = 0.2, entropy_coef: float = 0.01):
-    """Token-mean clipped PPO objective, minus an entropy bonus when `entropy` is given."""
+def ppo_loss(log_prob, old_log_prob, advantages, entropy=None, *, clip: float = 0.2, entropy_coef: float = 0.01,
+             mask=None):
+    """Token-mean clipped PPO objective, minus an entropy bonus when `entropy` is given; with a
+    per-token `mask` (1 = a response token), both means are over the masked tokens only."""
     ratio = (log_prob - old_log_prob).exp()
-    loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
+    per_token = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    if mask is None:
+        loss = per_token.mean()
+        if entropy is not None:
+            loss = loss - entropy_coef * entropy.mean()
+        return loss
+    mask = mask.to(per_token.dtype)
+    tokens = mask.sum().clamp_min(1)
+    loss = (per_token * mask).sum() / tokens
     if entropy is not None:
-        loss = loss - entropy_coef * entropy.mean()
+        loss = loss - entropy_coef * (entropy * mask).sum() / tokens
     return loss

@@ -28,6 +28,7 @@ import torch.fx
 
 from graphpass import _torch_api
 from graphpass.analysis.rowlocal import slice_span
+from graphpass.fx_utils import copy_graph_module
 
 aten = torch.ops.aten
 
@@ -110,7 +111,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
     fake_mode, fakes = _torch_api.fakify_inputs(example_inputs)
     if any(True for _ in gm.named_parameters()) or any(True for _ in gm.named_buffers()):
         raise CantCapture("the graph holds parameters or buffers (expected as inputs)")
-    gm = _copy(gm)
+    gm = copy_graph_module(gm)
     _inline_bodies(gm)
     hops = _stub_higher_order_ops(gm)
     with fake_mode:
@@ -129,11 +130,6 @@ def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
     return Captured(exported, fakes, hops, mutated)
 
 
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `gm` (same submodules) whose graph can be edited freely."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
 
 
 # ---- 1. inline checkpoint and wrap bodies ------------------------------------------------------
@@ -297,24 +293,39 @@ def _mutates_inputs(body) -> bool:
     """Whether `body` may write into memory it did not allocate: an in-place op, a setitem or an
     out= argument whose target is one of its inputs or a possible alias of one. Tensors the body
     creates itself (`e = x.exp(); e.div_(s)`) may be mutated freely."""
+    return written_inputs(body) != set()
+
+
+#: Python's in-place operators as Dynamo records `x -= y` (megatron-core's loss writes its logits
+#: so): they write into their first argument and return it.
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior",
+                      "ixor", "ilshift", "irshift"}
+
+
+def written_inputs(body) -> set[int] | None:
+    """The positions of `body`'s inputs that it may write into: an in-place op (`add_`, `x -= y`),
+    a setitem or an out= argument whose target is the input or a possible alias of it; None when
+    it cannot tell which (a nested body that writes into its inputs)."""
     if not isinstance(body, torch.fx.GraphModule):
-        return False
-    aliases_input = set(body.graph.find_nodes(op="placeholder"))
+        return set()
+    roots = {p: {i} for i, p in enumerate(body.graph.find_nodes(op="placeholder"))}
+    written_positions = set()
     for node in body.graph.nodes:
         name = _callee_name(node)
         args = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        if name in _MAY_ALIAS and args and args[0] in aliases_input:
-            aliases_input.add(node)
+        inplace_operator = name in _INPLACE_OPERATORS or name.strip("_") in _INPLACE_OPERATORS
+        if (name in _MAY_ALIAS or inplace_operator) and args and args[0] in roots:
+            roots[node] = roots[args[0]]
         written = []
-        if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__"):
+        if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__") or inplace_operator:
             written = args[:1]
         out = node.kwargs.get("out")
         written += [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.fx.Node)]
-        if any(w in aliases_input for w in written):
-            return True
+        for w in written:
+            written_positions |= roots.get(w, set())
         if node.op == "get_attr" and _mutates_inputs(getattr(body, node.target, None)):
-            return True  # a nested body: conservative
-    return False
+            return None
+    return written_positions
 
 
 def _callee_name(node) -> str:

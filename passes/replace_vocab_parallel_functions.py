@@ -41,7 +41,7 @@ from graphpass.analysis.grad_flow import grad_modes, requires_grad
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, match_token_loss, values_without_gradient)
-from graphpass.capture import CantCapture, capture, hop_of
+from graphpass.capture import CantCapture, capture, hop_of, written_inputs
 from graphpass.lint import _INPLACE_ALL_REDUCE_FRAMES as INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
@@ -70,7 +70,12 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
             if match != NOT_PARALLEL:
                 record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {match}"))
             continue
+        lost = _lost_write(gm.graph, stub, hop) if hop.mutates_inputs else None
+        if lost is not None:
+            record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {lost}"))
+            continue
         built.append(_replace_function(gm.graph, stub, hop, match, config))
+    built = _merge_same_logits(gm.graph, built, record)
     built = [(*b, True) for b in built]  # (site, op node, whether its gradients may be computed in forward)
     inlined = _replace_inlined(gm, example_inputs, config, record)
     if inlined is not None:
@@ -78,6 +83,8 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
     # The replaced code's readers of the logits (an upcast, a division moved into the op) are gone
     # before the fusion asks what else reads them.
     gm.graph.eliminate_dead_code()
+    for site, op, _ in built:
+        _note_kept_division(op, site, record)
     modes = grad_modes(gm.graph)
     heads = [(site, _fuse_lm_head(gm.graph, op, site, modes, record), may) for site, op, may in built]
     taken = set()  # the loss math an earlier site took in
@@ -91,6 +98,230 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
         _add_site(record, site)
     gm.graph.eliminate_dead_code()
     return gm
+
+
+def _lost_write(graph: torch.fx.Graph, stub: torch.fx.Node, hop) -> str | None:
+    """Why replacing the Function behind `stub` would lose a write its forward makes into one of
+    its inputs that this graph reads afterwards (or returns), or None.
+
+    megatron-core's loss writes its softmax into its logits: eager code that reads them after the
+    call reads the softmax, and the op that replaces the Function writes nothing. On a clone read
+    by the Function alone (as callers hand it) the write is invisible. A graph input it overwrites
+    and nothing in the graph reads again is not reported: graphpass leaves the caller's tensor as
+    it was (`bench.tp` records `input_overwritten` for eager)."""
+    written = written_inputs(hop.bodies[0])
+    tensors = stub.args[1]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for position in (range(len(tensors)) if written is None else sorted(written)):
+        if position >= len(tensors):
+            continue
+        aliases = _aliases(tensors[position])
+        for alias in aliases:
+            for user in alias.users:
+                if user not in aliases and user is not stub and order[user] > order[stub]:
+                    what = "the graph's output" if user.op == "output" else f"{user.name} ({source_of(user)})"
+                    return (f"its forward writes into its input {tensors[position].name}, which {what} reads "
+                            "after it (replacing it would lose the write); hand it a clone")
+    return None
+
+
+def _may_alias(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
+        getattr(node.target, "is_view", False) or node.target in _MAY_ALIAS_OPS)
+
+
+_MAY_ALIAS_OPS = {aten.reshape.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+                  aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.view_as.default,
+                  aten.reshape_as.default, aten.flatten.using_ints, aten.type_as.default}
+
+
+def _aliases(node: torch.fx.Node) -> set:
+    """Every node that may share `node`'s memory: its bases through views, and their views."""
+    base = node
+    while _may_alias(base):
+        base = base.args[0]
+    out, todo = set(), [base]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(u for u in n.users if _may_alias(u) and u.args[0] is n)
+    return out
+
+
+_OP = torch.ops.graphpass.vocab_parallel_logprob_entropy.default
+_OTHER_LOGITS = "reads other logits"  # not a reason: ops over different logits have nothing to share
+
+
+def _merge_same_logits(graph: torch.fx.Graph, built: list, record) -> list:
+    """`built` ((site, op) per replaced Function) with the ops that read the same logits merged
+    into one op where that is exact (`_merge_reason`): one collective, and one gradient of the
+    logits instead of one per op, which autograd would add up in a second `[*, V/tp]` buffer.
+
+    megatron-core's loss on a clone of the logits and an entropy Function on the logits themselves
+    (verl's Megatron actor; slime with the entropy beside its own log-prob) are two such ops once
+    the clone is absorbed. The merged op computes the log-prob of the one target that is used (an
+    op whose log-prob nothing reads asks for none) and the entropy if either did; the outputs'
+    readers read it, each as before (a detach where the Function's output had no gradient). The
+    merged op then absorbs what now only it reads (a temperature's division, an upcast). Ops that
+    read the same logits but cannot be merged stay apart, the reason among the candidates.
+
+    The choice reads the graph alone, so every rank tracing the same code merges alike; a rank
+    whose Functions Dynamo inlined (no input requires grad) computes every log-prob and entropy of
+    the logits in one op too (`_replace_inlined`), with the same one collective."""
+    if len(built) < 2:
+        return built
+    kept = []  # [site, op, whether merged], in graph order
+    reasons = {}
+    for site, op in sorted(built, key=lambda b: _position(graph, b[1])):
+        for entry in kept:
+            why = _merge_reason(graph, entry[1], op)
+            if why is None:
+                entry[:] = [*_merge(graph, entry[0], entry[1], site, op), True]
+                reasons.pop(op, None)
+                break
+            if why is not _OTHER_LOGITS:
+                reasons.setdefault(op, (entry[0], why))
+        else:
+            kept.append([site, op, False])
+    for op, (other, why) in reasons.items():
+        site = next(s for s, o in built if o is op)
+        record.rejected.append(Candidate(site.source, f"vocab-parallel op not merged with the one at {other.source} "
+                                                      f"over the same logits: {why}"))
+    if any(m for _, _, m in kept):
+        # The replaced ops' readers of the logits (an absorbed clone) go before the merged op
+        # asks what else reads them.
+        graph.eliminate_dead_code()
+        for entry in kept:
+            if entry[2]:
+                _absorb_into(entry[0], entry[1])
+    return [(site, op) for site, op, _ in kept]
+
+
+def _position(graph, node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    raise KeyError(node)
+
+
+def _log_prob_read(op: torch.fx.Node) -> bool:
+    """Whether anything reads the op's log-prob (output 0)."""
+    return any(u.target is not operator.getitem or (u.args[1] == 0 and u.users) for u in op.users)
+
+
+def _entropy_read(op: torch.fx.Node) -> bool:
+    return any(u.target is not operator.getitem or (u.args[1] == 1 and u.users) for u in op.users)
+
+
+def _same_value(a, b) -> bool:
+    """`a` and `b` are the same node, or the same reshape (or view) of the same node."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.op == b.op == "call_function"
+            and a.target is b.target and a.target in _RESHAPES and not a.kwargs and not b.kwargs
+            and a.args[0] is b.args[0] and list(a.args[1]) == list(b.args[1]))
+
+
+def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node):
+    """None when ops `a` (earlier) and `b` compute exactly what one op reading their logits
+    computes; else why not (`_OTHER_LOGITS` when they read different logits)."""
+    (la, ta, ka, ga, tempa, wea, _, iia, ca, kera), (lb, tb, kb, gb, tempb, web, _, iib, cb, kerb) = a.args, b.args
+    if la is not lb:
+        return _OTHER_LOGITS
+    if ga != gb:
+        return f"they all-reduce over different groups ({ga!r}, {gb!r})"
+    if tempa != tempb:
+        return f"they divide the logits by different temperatures ({tempa:g}, {tempb:g})"
+    if ka is not None or kb is not None:
+        return "a keep mask"
+    if (ca, kera) != (cb, kerb):
+        return "different chunking"
+    if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in (*a.users, *b.users)):
+        return "an op's outputs are read whole"
+    if (_entropy_read(a) and not wea) or (_entropy_read(b) and not web):
+        return "an op's empty entropy is read"
+    modes = grad_modes(graph)
+    if modes[a] != modes[b]:
+        return "they run in different grad modes"
+    if _log_prob_read(a) and _log_prob_read(b):
+        if not _same_value(ta, tb) or iia != iib:
+            return "both log-probs are read, of different targets"
+    elif _log_prob_read(b):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if any(order[n] >= order[a] for n in _target_inputs(tb)):
+            return "the log-prob's targets are computed after the other op"
+    return None
+
+
+def _target_inputs(target: torch.fx.Node) -> list:
+    """The nodes the merged op needs before it to compute `target` there: its own inputs where it
+    is a reshape (recreated), else itself."""
+    if target.op == "call_function" and target.target in (*_RESHAPES, aten.zeros.default):
+        return list(target.all_input_nodes)
+    return [target]
+
+
+def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: torch.fx.Node):
+    """(site, op) of one op before `a` computing what ops `a` and `b` computed; both erased."""
+    (logits, target, keep_mask, group, temperature, with_a, grad_a, ignore_index, chunk, kernels) = a.args
+    with_b, grad_b = b.args[5], b.args[6]
+    fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
+    read_a, read_b = _log_prob_read(a), _log_prob_read(b)
+    with graph.inserting_before(a):
+        if read_b and not read_a:
+            target, ignore_index = b.args[1], b.args[7]
+            if target.op == "call_function" and target.target in (*_RESHAPES, aten.zeros.default):
+                target = _torch_api.fake_node(graph, fake_mode, target.target, target.args, target.kwargs, target)
+        with_entropy = with_a or with_b
+        entropy_grad = (with_a and grad_a) or (with_b and grad_b)
+        op = _torch_api.fake_node(graph, fake_mode, _OP, (logits, target, keep_mask, group, temperature, with_entropy,
+                                                          entropy_grad, ignore_index, chunk, kernels), {}, a)
+        items = [_torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, a) for i in range(2)]
+    for old in (a, b):
+        for user in list(old.users):
+            user.replace_all_uses_with(items[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(old)
+    # The log-prob of an op whose log-prob nothing read (and whose target the other's replaced) is gone.
+    outputs = [o for site, read, other in ((site_a, read_a, read_b), (site_b, read_b, read_a)) for o in site.outputs
+               if read or not other or not o.kind.endswith("logprob")]
+    wide = logits.meta["val"]
+    rows_hint = _torch_api.size_hint(wide.numel()) // max(1, _torch_api.size_hint(wide.shape[-1]))
+    site = dataclasses.replace(
+        site_a, kind="+".join(o.kind for o in outputs), outputs=outputs,
+        collectives=[CollectiveRecord("all_gather", site_a.tp_size,
+                                      collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))])
+    return site, op
+
+
+def _absorb_into(site: SiteRecord, op: torch.fx.Node) -> None:
+    """The merged `op` reading through what only it now reads (`_absorb_scaling`); the site updated."""
+    logits, temperature = _absorb_scaling(op.args[0], op.args[4])
+    if logits is op.args[0]:
+        return
+    op.args = (logits, *op.args[1:4], float(temperature), *op.args[5:])
+    wide = logits.meta["val"]
+    site.shape, site.dtype = tuple(wide.shape), wide.dtype
+    for output in site.outputs:
+        output.temperature = None if temperature == 1.0 else f"/ {temperature:.3g}"
+
+
+def _note_kept_division(op: torch.fx.Node, site: SiteRecord, record) -> None:
+    """Among the candidates: the op reads a temperature's division of bf16/fp16 logits that only it
+    reads (`_absorb_scaling` takes in divisions of fp32/fp64 logits only: this one rounds to the
+    logits' dtype, the op would divide in fp32), so the quotient and its gradient exist whole."""
+    logits = op.args[0]
+    if not (isinstance(logits, torch.fx.Node) and logits.op == "call_function"
+            and logits.target in (aten.div.Tensor, aten.div.Scalar) and isinstance(logits.args[1], float)):
+        return
+    val = logits.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16):
+        record.rejected.append(Candidate(source_of(logits), f"the division of {str(val.dtype).removeprefix('torch.')} "
+                                                            f"logits by {logits.args[1]:g} stays outside the "
+                                                            f"vocab-parallel op at {site.source}: it rounds to "
+                                                            f"{str(val.dtype).removeprefix('torch.')}, the op would "
+                                                            "divide in fp32 (divide the fp32 upcast instead)"))
 
 
 def _add_site(record, site: SiteRecord) -> None:
