@@ -4,10 +4,14 @@
     python -m bench.tp --quick         # T=2048 only, fewer steps (a few minutes)
     python -m bench.tp --code slime --T 8192 --dtype bf16 --methods inductor graphpass
     python -m bench.tp --device cuda   # NCCL ranks, one GPU each (cuda:0, cuda:1)
+    python -m bench.tp --code megatron_entropy --T 2048 --dtype fp32 --out bench/results/tp_megatron_entropy.json
 
-The loss is `bench.tp_losses.ppo_loss` on the log-probs of one of two vocab-parallel codes:
-`megatron` (megatron-core's `vocab_parallel_cross_entropy`, negated; no entropy) and `slime` (a
-slime-style `autograd.Function` with all-reduces; entropy with its gradient kept). Each rank holds
+The loss is `bench.tp_losses.ppo_loss` on the log-probs of one of the vocab-parallel codes:
+`megatron` (megatron-core's `vocab_parallel_cross_entropy`, negated; no entropy), `slime` (a
+slime-style `autograd.Function` with all-reduces; entropy with its gradient kept) and, not in the
+default grid, `megatron_entropy` (verl's Megatron actor: the logits divided by a temperature of
+0.7, megatron-core's loss on a clone of them, a verl-style entropy Function on them, PPO with an
+entropy bonus over a per-token mask). Each rank holds
 its `[T, V/2]` slice of the same random global logits (a leaf that requires grad), the global
 targets, old log-probs and advantages (one seed on both ranks). Methods: `eager` (the plain
 function), `inductor` (`torch.compile(fn, backend="inductor")`), `graphpass`
@@ -39,7 +43,8 @@ from pathlib import Path
 
 from bench.harness import DTYPE_BYTES, machine_description, provenance
 
-CODES = ("megatron", "slime")
+CODES = ("megatron", "slime", "megatron_entropy")
+DEFAULT_CODES = ("megatron", "slime")
 METHODS = ("eager", "inductor", "graphpass")
 GRID_T = (2048, 8192)
 QUICK_T = (2048,)
@@ -96,7 +101,22 @@ def slime_loss(logits, target, old_log_prob, advantages):
     return ppo_loss(log_prob, old_log_prob, advantages, entropy)
 
 
-LOSSES = {"megatron": megatron_loss, "slime": slime_loss}
+TEMPERATURE = 0.7  # megatron_entropy's sampling temperature
+
+
+def megatron_entropy_loss(logits, target, old_log_prob, advantages, mask):
+    """verl's Megatron actor: the logits divided by the temperature, megatron-core's loss on a clone
+    of them, an entropy Function on them (`bench.tp_losses.VerlStyleEntropy`), PPO with an entropy
+    bonus over the response tokens (`mask`)."""
+    from bench.tp_losses import megatron_logprob_entropy, ppo_loss
+
+    log_prob, entropy = megatron_logprob_entropy(logits, target, temperature=TEMPERATURE)
+    return ppo_loss(log_prob, old_log_prob, advantages, entropy, mask=mask)
+
+
+LOSSES = {"megatron": megatron_loss, "slime": slime_loss, "megatron_entropy": megatron_entropy_loss}
+MEGATRON_CODES = ("megatron", "megatron_entropy")  # megatron-core's parallel state set up on the ranks
+MASKED_CODES = ("megatron_entropy",)  # the loss also reads a per-token mask
 
 
 # ---- inside a rank --------------------------------------------------------------------------------
@@ -125,7 +145,11 @@ def _inputs(spec: TpSpec, rank: int, world: int):
     old_log_prob = -math.log(spec.V) - 0.5 + 0.5 * torch.randn(spec.T, generator=g)
     advantages = torch.randn(spec.T, generator=g)
     here = device()  # drawn on the CPU (the same matrix whatever the device), then moved
-    return logits.to(here).requires_grad_(), target.to(here), old_log_prob.to(here), advantages.to(here)
+    inputs = [logits.to(here).requires_grad_(), target.to(here), old_log_prob.to(here), advantages.to(here)]
+    if spec.code in MASKED_CODES:
+        # About a quarter of the tokens are the prompt's or padding: no loss there.
+        inputs.append((torch.rand(spec.T, generator=g) < 0.75).to(here))
+    return inputs
 
 
 def _build(method: str, spec: TpSpec):
@@ -237,14 +261,14 @@ def run_config(rank: int, world: int, spec: TpSpec) -> dict:
     import torch
 
     torch._dynamo.reset()
-    if spec.code == "megatron":
+    if spec.code in MEGATRON_CODES:
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     try:
         return _run_methods(rank, world, spec)
     finally:
-        if spec.code == "megatron":
+        if spec.code in MEGATRON_CODES:
             parallel_state.destroy_model_parallel()
         torch._dynamo.reset()
 
@@ -275,7 +299,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     # Before the first large allocation: see run_config.
     pinned = _set_malloc(2**20, 128 * 2**10)
     load = [os.getloadavg()[0]]
-    logits, target, old_log_prob, advantages = _inputs(spec, rank, world)
+    logits, target, old_log_prob, advantages, *extra = _inputs(spec, rank, world)
     # megatron-core's forward writes its softmax into its input, and `megatron_logprob` hands it
     # `logits.float()`, which for fp32 logits IS the leaf: eager (and inductor, which keeps the
     # input mutation) overwrite the bench's logits, and the backward's gradient is that same
@@ -292,7 +316,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     overwritten = {m: False for m in spec.methods}
 
     def step(method):
-        state["loss"] = built[method][0](logits, target, old_log_prob, advantages)
+        state["loss"] = built[method][0](logits, target, old_log_prob, advantages, *extra)
         state["loss"].backward()
 
     def clear():
@@ -560,7 +584,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="T=2048 only, fewer steps")
     parser.add_argument("--T", type=int, nargs="+", help=f"token counts (default {GRID_T}, --quick {QUICK_T})")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--code", nargs="+", choices=CODES, default=list(CODES))
+    parser.add_argument("--code", nargs="+", choices=CODES, default=list(DEFAULT_CODES))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo ranks; cuda: NCCL ranks, one GPU each")
