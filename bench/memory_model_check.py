@@ -73,14 +73,14 @@ def estimate_one(impl: str, dtype: torch.dtype, T: int, V: int, chunk_size=None)
 
     from graphpass import memory
     from graphpass.config import Config
-    from graphpass.inspection import capture
+    from graphpass.inspection import rewrite_results
 
     with FakeTensorMode():
         logits = torch.empty(T, V, dtype=dtype, requires_grad=True)
         rest = (torch.empty(T, dtype=torch.int64), torch.empty(T), torch.empty(T), torch.empty(T))
     torch.compiler.reset()
-    results = capture(ppo_loss, (logits, *rest), {"temperature": TEMPERATURE, "ent_coef": ENT_COEF},
-                      Config(chunk_size=chunk_size))
+    results = rewrite_results(ppo_loss, (logits, *rest), {"temperature": TEMPERATURE, "ent_coef": ENT_COEF},
+                              Config(chunk_size=chunk_size))
     est = memory.estimate_rewrite(results[0])
     chosen = est.before if impl == "eager" else est.after
     return {"peak": chosen.peak_bytes, "floor": chosen.floor_bytes, "sites": len(results[0].record.sites),

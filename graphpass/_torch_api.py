@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
@@ -162,9 +165,9 @@ def check_no_guards_on(fake_mode, size) -> None:
 
 def same_size(a, b) -> bool:
     """Two sizes are the same int or the same symbolic expression (no guard is added)."""
-    if isinstance(a, int) or isinstance(b, int):
-        return isinstance(a, int) and isinstance(b, int) and a == b
-    return a.node.expr == b.node.expr
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return isinstance(a, int) and isinstance(b, int) and a == b
 
 
 def same_shape(a, b) -> bool:
@@ -221,6 +224,25 @@ def inlinable_hops() -> tuple:
 
 
 # ---- memory model, inspection, CLI (graphpass/memory.py, inspection.py, cli.py) ------------------
+def backend_failure_type() -> type:
+    """The exception Dynamo raises when a backend (graphpass) fails while compiling a graph."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return BackendCompilerFailed
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log():
+    """No log of a failing fake-tensor call (torch logs each with its traceback; the CLI says it in one line)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def tree_leaves(tree) -> list:
     """The leaves of nested lists, tuples and dicts, in order (torch's pytree flattening)."""
     from torch.utils._pytree import tree_leaves as leaves
@@ -256,6 +278,16 @@ def is_aten_overload(target) -> bool:
 def is_higher_order_op(target) -> bool:
     """True for a higher-order op such as `autograd_function_apply` (it calls subgraphs)."""
     return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def schema_of(target) -> torch._C.FunctionSchema:
+    """The schema of an op overload: its arguments' names, order and kinds."""
+    return target._schema
+
+
+#: The ops of torch's functional collectives (`torch.distributed._functional_collectives`): the
+#: forms Dynamo traces `dist.all_reduce` and friends into (`all_reduce`, `wait_tensor`, ...).
+functional_collectives = torch.ops._c10d_functional
 
 
 def autograd_function_apply():

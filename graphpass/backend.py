@@ -59,9 +59,7 @@ class Backend:
         """Never wrong: run the original graph, with the reason logged and recorded."""
         if self.config.strict or isinstance(error, _torch_api.dynamo_control_flow_errors()):
             raise error
-        record.fallback_reason = reason.splitlines()[0]
-        record.sites.clear()
-        record.cp.clear()
+        record.runs_unchanged(reason)
         log.warning("graphpass: graph %d runs unchanged: %s", record.index, record.fallback_reason,
                     exc_info=log.isEnabledFor(logging.DEBUG))
         return _torch_api.inner_compile(self.config.inner, gm, example_inputs)

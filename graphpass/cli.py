@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import importlib.util
 import inspect
-import logging
 import os
 import re
 import sys
@@ -211,18 +210,17 @@ def inspect_command(args) -> int:
     except SpecError as e:
         return _fail(str(e), 2)
 
-    from graphpass import inspection as explain_mod
-    from graphpass import report
+    from graphpass import _torch_api, inspection, report
 
     try:
         # With --json, stdout carries the JSON only: whatever the user's code prints goes to stderr.
         # torch logs a failing fake-tensor call with its traceback: the one line below says it.
-        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout), _quiet_fake_tensor_log():
-            results = explain_mod.capture(fn, (), kwargs, config, dump_dir=args.dump)
-        rep = explain_mod.build_report(
+        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout), \
+                _torch_api.quiet_fake_tensor_log():
+            results = inspection.rewrite_results(fn, (), kwargs, config, dump_dir=args.dump)
+        rep = inspection.build_report(
             results, function=args.target,
-            inputs={**{n: _input_text(shape, dtype, kwargs[n]) for n, shape, dtype, _ in tensor_specs},
-                    **{k: repr(v) for k, v in scalars.items()}},
+            inputs={n: report.describe_value(kwargs[n]) for n in [t[0] for t in tensor_specs] + list(scalars)},
             with_graphs=not args.no_graphs)
     except Exception as e:  # noqa: BLE001 - one line, whatever failed
         return _capture_failure(args.target, e)
@@ -233,17 +231,6 @@ def inspect_command(args) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _quiet_fake_tensor_log():
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 # Dynamo's record of where in the user's code it was: `File "PATH", line N, in NAME` and the line.
 _USER_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in \S+\n\s*(?P<code>[^\n]*)')
 
@@ -252,7 +239,7 @@ def _capture_failure(target: str, error: Exception) -> int:
     """One line for a failed capture. An error raised by the user's code on the given inputs
     (Dynamo wraps it: the cause is the innermost exception) is the inputs' fault: exit 2, with the
     user's line. Anything else failed inside graphpass or torch: exit 1."""
-    from torch._dynamo.exc import BackendCompilerFailed
+    from graphpass import _torch_api
 
     chain, seen = [], set()
     e = error
@@ -260,7 +247,7 @@ def _capture_failure(target: str, error: Exception) -> int:
         seen.add(id(e))
         chain.append(e)
         e = e.__cause__ or e.__context__
-    if any(isinstance(x, BackendCompilerFailed) for x in chain):
+    if any(isinstance(x, _torch_api.backend_failure_type()) for x in chain):
         cause = chain[-1]
         return _fail(f"graphpass failed on {target}: {type(cause).__name__}: {_first_line(cause)} "
                      "(a bug in graphpass: please report it with this command line)", 1)
@@ -277,11 +264,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
-
-
-def _input_text(shape, dtype, tensor) -> str:
-    text = ("x".join(map(str, shape)) or "scalar") + ":" + str(dtype).replace("torch.", "")
-    return text + (" (grad)" if getattr(tensor, "requires_grad", False) else "")
 
 
 def main(argv=None) -> int:

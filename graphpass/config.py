@@ -38,7 +38,7 @@ class Config:
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip, e.g. ("chunk_rowwise_regions_pass",) to run the graph unrewritten.
 
-    The passes, in order: see `passes.PASS_NAMES`. An unknown name is an error here.
+    The passes, in order: see `graphpass.passes.PASS_NAMES`. An unknown name is an error here.
     """
 
     @classmethod

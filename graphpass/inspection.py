@@ -63,8 +63,7 @@ def _rewrite(gm, example_inputs, config, record, on_stage):
     except Exception as e:
         if config.strict:
             raise
-        record.fallback_reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        record.sites.clear()
+        record.runs_unchanged(str(e).strip() or type(e).__name__)
         before, fakes = _unchanged(gm, example_inputs)
         return RewriteResult(before, before, fakes, record)
 
@@ -78,7 +77,7 @@ def _unchanged(gm, example_inputs):
         return _torch_api.capture_pre_dispatch(gm, example_inputs)
 
 
-def capture(fn, args, kwargs, config: Config, dump_dir: str | None = None) -> list:
+def rewrite_results(fn, args, kwargs, config: Config, dump_dir: str | None = None) -> list:
     """Compile `fn(*args, **kwargs)` with a backend that records each graph's `RewriteResult`.
 
     `args` should be fake tensors (see `fakeify`); the captured graphs run on them, so nothing
@@ -141,15 +140,8 @@ def explain(fn, *example_inputs, config: Config | None = None, dump_dir: str | N
     config = config or Config()
     args = fakeify(example_inputs)
     kwargs = dict(zip(kwargs, fakeify(kwargs.values())))
-    results = capture(fn, args, kwargs, config, dump_dir)
+    results = rewrite_results(fn, args, kwargs, config, dump_dir)
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
-    inputs = {f"arg{i}": _describe(a) for i, a in enumerate(args)}
-    inputs.update({k: _describe(v) for k, v in kwargs.items()})
+    inputs = {f"arg{i}": report.describe_value(a) for i, a in enumerate(args)}
+    inputs.update({k: report.describe_value(v) for k, v in kwargs.items()})
     return build_report(results, function=name, inputs=inputs)
-
-
-def _describe(v) -> str:
-    if isinstance(v, torch.Tensor):
-        shape = "x".join(str(s) for s in v.shape) or "scalar"
-        return f"{shape}:{str(v.dtype).replace('torch.', '')}" + (" (grad)" if v.requires_grad else "")
-    return repr(v)

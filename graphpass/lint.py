@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from graphpass import _torch_api
 from graphpass.analysis.regions import stack_frames
 
 log = logging.getLogger("graphpass")
@@ -44,7 +45,8 @@ def lint(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _is_differentiable_inplace_all_reduce(node) -> bool:
-    if not str(node.target).startswith("_c10d_functional.all_reduce"):
+    collectives = _torch_api.functional_collectives
+    if getattr(node.target, "overloadpacket", node.target) not in (collectives.all_reduce, collectives.all_reduce_):
         return False
     trace = node.meta.get("stack_trace") or ""
     if not any(frame in trace for frame in _INPLACE_ALL_REDUCE_FRAMES):

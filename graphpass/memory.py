@@ -68,10 +68,6 @@ class PeakEstimate:
     workspace_bytes: int = 0
     """Transient bytes of a chunked op included in the peak (0 when the peak is elsewhere)."""
 
-    @property
-    def peak_over_floor(self) -> float:
-        return self.peak_bytes / self.floor_bytes if self.floor_bytes else float("nan")
-
 
 @dataclasses.dataclass
 class MemoryEstimate:
@@ -250,7 +246,7 @@ _FRESH_BUFFERS = {"new_zeros", "zeros", "zeros_like", "new_full", "full", "full_
 
 def _op_name(target) -> str:
     name = getattr(target, "__name__", "")
-    packet = getattr(target, "_overloadpacket", None)
+    packet = getattr(target, "overloadpacket", None)
     return getattr(packet, "__name__", name.split(".")[0])
 
 

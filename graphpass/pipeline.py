@@ -11,6 +11,7 @@ from graphpass.analysis.catalogue import non_float_normaliser
 from graphpass.analysis.regions import source_of
 from graphpass.capture import capture
 from graphpass.config import Config
+from graphpass.fx_utils import copy_graph_module
 from graphpass.records import GraphRecord
 from graphpass.passes import registry
 
@@ -50,7 +51,7 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
                           f"at {source_of(refused)}: eager raises, so the graph runs eagerly")
     if on_stage:
         on_stage("captured", "capture", before)
-    after = _copy(before)  # `before` stays intact for reports and the memory model
+    after = copy_graph_module(before)  # `before` stays intact for reports and the memory model
     passes = registry()
     for p in passes:
         if p.name in config.disable_passes:
@@ -72,12 +73,5 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, config: Config, reco
     if captured.hops:
         # Reports and the memory model read `before` as the user's program: its higher-order
         # ops (a user autograd.Function, with its own backward) back in place of their stubs.
-        before = captured.restore(_copy(before), for_analysis=True)
+        before = captured.restore(copy_graph_module(before), for_analysis=True)
     return RewriteResult(before, after, fakes, record)
-
-
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A structural copy of `gm` whose nodes share (shallow-copied) meta with the original."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)

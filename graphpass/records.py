@@ -144,6 +144,13 @@ class GraphRecord:
     example_inputs: list = dataclasses.field(default_factory=list, repr=False)
     """Fake example inputs of `graph_module` (shapes and dtypes only)."""
 
+    def runs_unchanged(self, reason: str) -> None:
+        """The rewrite was abandoned: nothing of it stays recorded, `reason`'s first line says why."""
+        self.fallback_reason = (reason.strip().splitlines() or [""])[0]
+        self.sites.clear()
+        self.cp.clear()
+        self.collectives.clear()
+
     @property
     def rewritten(self) -> bool:
         """Whether any pass changed the graph (else the backend compiles Dynamo's graph as it is)."""

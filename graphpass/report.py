@@ -185,6 +185,14 @@ def human_bytes(n: int | None, like: int | None = None) -> str:
     return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
 
 
+def describe_value(v) -> str:
+    """An input as the report lists it: "4096x32768:bfloat16 (grad)", a scalar's repr."""
+    if isinstance(v, torch.Tensor):
+        shape = "x".join(str(s) for s in v.shape) or "scalar"
+        return f"{shape}:{str(v.dtype).replace('torch.', '')}" + (" (grad)" if v.requires_grad else "")
+    return repr(v)
+
+
 def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 

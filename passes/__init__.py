@@ -61,7 +61,7 @@ def _load(name: str) -> Callable:
 
 
 def __getattr__(name: str):
-    # `from passes import chunk_rowwise_regions_pass` still works, without importing every pass
+    # `from graphpass.passes import chunk_rowwise_regions_pass` imports that pass alone
     # (and torch) when only the names are wanted.
     if name in PASS_NAMES:
         return _load(name)

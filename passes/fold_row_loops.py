@@ -35,6 +35,7 @@ import torch
 import torch.fx
 
 from graphpass._torch_api import detect_fake_mode, fake_node, same_shape, same_size
+from graphpass.fx_utils import hashable
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
 from graphpass.analysis.rowlocal import slice_span
@@ -66,7 +67,7 @@ def _merge_duplicates(graph, built: set) -> None:
     for node in list(graph.nodes):
         if node not in built:
             continue
-        key = (node.target, _freeze(node.args), _freeze(node.kwargs), modes[node])
+        key = (node.target, hashable(node.args), hashable(node.kwargs), modes[node])
         if key in seen:
             node.replace_all_uses_with(seen[key])
             graph.erase_node(node)
@@ -424,17 +425,3 @@ def _keepdim(node) -> bool:
 
 def _is_elementwise(target) -> bool:
     return target in catalogue.ELEMENTWISE or catalogue.is_deterministic_pointwise(target)
-
-
-def _freeze(value):
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, torch.fx.Node):
-        return ("node", id(value))
-    try:
-        hash(value)
-    except TypeError:
-        return ("unhashable", id(value))
-    return (type(value).__name__, value)

@@ -1,4 +1,6 @@
-"""Shared pytest setup: graphpass importable from the checkout, fresh Dynamo state per test, `slow` marker."""
+"""Shared pytest setup: `bench` and `examples` importable from the checkout (graphpass itself must be
+installed, `pip install -e .`: `graphpass.passes` exists only installed), fresh Dynamo state per test,
+the `slow` marker."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import torch
 from graphpass import _torch_api
 from graphpass._torch_api import known_equal
 from graphpass.analysis import rowlocal
+from graphpass.fx_utils import fake_value, target_name
 
 aten = torch.ops.aten
 
@@ -44,14 +45,12 @@ class LmHead:
     output (the weight's transpose, a view, goes with dead-code elimination)."""
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _is_matrix_transpose(node) -> bool:
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES):
         return False
-    val = _val(node.args[0])
+    val = fake_value(node.args[0])
     if not isinstance(val, torch.Tensor) or val.ndim != 2:
         return False
     if node.target is aten.transpose.int:
@@ -87,8 +86,8 @@ def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, 
     head, why = match_matmul(logits)
     if head is None:
         return None, why
-    lay = rowlocal.layout_of(_val(head.hidden), region.rows)
-    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != _val(head.hidden).ndim - 1:
+    lay = rowlocal.layout_of(fake_value(head.hidden), region.rows)
+    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != fake_value(head.hidden).ndim - 1:
         return None, "its hidden states are not laid out over the region's rows"
     checks, why = other_readers(logits, set(region.nodes))
     if why is not None:
@@ -106,7 +105,7 @@ def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     if found is None:
         return None, None
     hidden, (kind, right), bias = found
-    h_val, r_val, out_val = _val(hidden), _val(right), _val(logits)
+    h_val, r_val, out_val = fake_value(hidden), fake_value(right), fake_value(logits)
     if not all(isinstance(v, torch.Tensor) for v in (h_val, r_val, out_val)):
         return None, "its operands are not tensors"
     if kind == "weight":
@@ -115,7 +114,7 @@ def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
         weight, transposed = right.args[0], False
     else:
         weight, transposed = right, True
-    w_val = _val(weight)
+    w_val = fake_value(weight)
     if w_val.ndim != 2 or h_val.ndim < 2 or out_val.ndim != h_val.ndim:
         return None, f"the matmul of {tuple(h_val.shape)} and {tuple(r_val.shape)} is not hidden @ W.T"
     vocab, hidden_size = (w_val.shape[1], w_val.shape[0]) if transposed else (w_val.shape[0], w_val.shape[1])
@@ -124,7 +123,7 @@ def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     if not (known_equal(out_val.shape[-1], vocab) and known_equal(h_val.shape[-1], hidden_size)):
         return None, "its weight does not map the hidden size to the vocabulary"
     if bias is not None:
-        b_val = _val(bias)
+        b_val = fake_value(bias)
         if not isinstance(b_val, torch.Tensor) or b_val.ndim != 1 or not known_equal(b_val.shape[0], vocab):
             return None, "its bias is not one value per vocabulary entry"
         if b_val.dtype != out_val.dtype:
@@ -150,7 +149,7 @@ def other_readers(logits: torch.fx.Node, inside: set, reader: str = "the region"
             return [], "its logits are also an output of the graph"
         from graphpass.analysis.regions import source_of
 
-        return [], f"its logits are also read outside {reader} ({_name(user)} at {source_of(user)})"
+        return [], f"its logits are also read outside {reader} ({target_name(user)} at {source_of(user)})"
     return checks, None
 
 
@@ -169,14 +168,10 @@ def not_computed_here(logits: torch.fx.Node) -> str:
     if origin.op != "placeholder":
         from graphpass.analysis.regions import source_of
 
-        return f"its logits are computed by {_name(origin)} at {source_of(origin)}, not by a matmul of hidden states"
+        return f"its logits are computed by {target_name(origin)} at {source_of(origin)}, not by a matmul of hidden states"
     where = _torch_api.graph_break_before_this_graph()
     if where is None:
         outside = "an input of the compiled function"
     else:
         outside = f"Dynamo broke the graph at {where[0]}" + (f": {where[1]}" if where[1] else "")
     return f"the logits come from outside this graph ({outside}); compile a function that computes them from the hidden states"
-
-
-def _name(node) -> str:
-    return getattr(node.target, "__name__", str(node.target))

@@ -39,14 +39,14 @@ import operator
 import torch
 import torch.fx
 
+from graphpass import _torch_api
 from graphpass.analysis import catalogue
+from graphpass.fx_utils import fake_value
 
 aten = torch.ops.aten
 
 LOGPROB = "logprob"
 ENTROPY = "entropy"
-NEG_LOGPROB = "-logprob"
-NEG_ENTROPY = "-entropy"
 ROWWISE = "rowwise"
 #: A constant this small added to a probability is a guard against log(0), not a change of meaning.
 _EPS = 1e-4
@@ -173,24 +173,11 @@ def _arg(node: torch.fx.Node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
-def _val(x):
-    return x.meta.get("val") if isinstance(x, torch.fx.Node) else None
 
 
 def _shape(x) -> tuple | None:
-    v = _val(x)
+    v = fake_value(x)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _same_size(a, b) -> bool:
-    # Symbolic sizes are compared by name: comparing SymInts directly could install guards.
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return str(a) == str(b)
-
-
-def _same_shape(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
 
 
 def _is_vocab_dim(tensor_node, dim) -> bool:
@@ -221,10 +208,10 @@ def _broadcast_ok(node: torch.fx.Node, operands) -> bool:
             continue
         s = _shape(x)
         if s is None:
-            if isinstance(_val(x), torch.Tensor):
+            if isinstance(fake_value(x), torch.Tensor):
                 return False
             continue  # a SymFloat/SymInt scalar
-        if _same_shape(s, out) or len(s) == 0:
+        if _torch_api.same_shape(s, out) or len(s) == 0:
             continue
         if len(s) == len(out) and isinstance(s[-1], int) and s[-1] == 1:
             continue
@@ -243,7 +230,7 @@ def _scale_factor(x):
         return float(x)
     if not isinstance(x, torch.fx.Node):
         return None
-    val = _val(x)
+    val = fake_value(x)
     if _packet(x) in _RUNTIME_SCALAR_PACKETS or isinstance(val, (torch.SymFloat, torch.SymInt, float, int)):
         return x
     if isinstance(val, torch.Tensor) and (val.dim() == 0 or (isinstance(val.shape[-1], int) and val.shape[-1] == 1)):
@@ -259,7 +246,7 @@ def _factor_desc(op: str, factor) -> str:
     # `x * (1 / t)` with a runtime t arrives as operator.truediv(1.0, item): report it as "/ t".
     if node.op == "call_function" and node.target is operator.truediv and node.args[0] in (1, 1.0):
         return _factor_desc("/" if op == "*" else "*", node.args[1])
-    val = _val(node)
+    val = fake_value(node)
     # A tensor with any non-unit (or symbolic) dimension holds one temperature per row: [T, 1].
     if isinstance(val, torch.Tensor) and any(not (isinstance(s, int) and s == 1) for s in val.shape):
         return f"{op} per-token"
@@ -288,7 +275,7 @@ def _broadcast_source(n: torch.fx.Node):
         return None
     source = bt.args[0][i]
     s_in, s_out = _shape(source), _shape(n)
-    return source if s_in is not None and s_out is not None and _same_shape(s_in, s_out) else None
+    return source if s_in is not None and s_out is not None and _torch_api.same_shape(s_in, s_out) else None
 
 
 def _behind_views(node):
@@ -334,8 +321,8 @@ class _Evaluator:
 
     def unknown(self, n: torch.fx.Node):
         """The form of a value not understood: a row constant if narrow, else a fresh logits leaf."""
-        val = _val(n)
-        if isinstance(val, torch.Tensor) and (val.ndim == 0 or _same_size(val.shape[-1], 1)):
+        val = fake_value(n)
+        if isinstance(val, torch.Tensor) and (val.ndim == 0 or _torch_api.same_size(val.shape[-1], 1)):
             return {("c", n): 1.0}  # one value per row: a row constant
         return _leaf(n)
 
@@ -380,7 +367,7 @@ def _h_view(ev, n):
     if not wide:
         return f
     # A wide value keeps its meaning only while V stays the last dimension.
-    if in_shape and out_shape and _same_size(in_shape[-1], out_shape[-1]):
+    if in_shape and out_shape and _torch_api.same_size(in_shape[-1], out_shape[-1]):
         return f
     return None
 
@@ -560,7 +547,7 @@ def _h_entr(ev, n):
 
 def _h_clamp(ev, n):
     lo, hi = _arg(n, 1, "min"), _arg(n, 2, "max")
-    val = _val(n)
+    val = fake_value(n)
     if hi is not None or not isinstance(lo, float) or not isinstance(val, torch.Tensor):
         return None
     if not val.dtype.is_floating_point or lo > torch.finfo(val.dtype).min:
@@ -578,10 +565,11 @@ def _h_masked_fill(ev, n):
 
 
 def _h_where(ev, n):
-    cond, a, b = n.args[0], n.args[1], n.args[2]
+    a, b = n.args[1], n.args[2]  # the condition: any per-element mask
     for data, fill in ((a, b), (b, a)):
         base = _pure_leaf(ev(data)) if isinstance(data, torch.fx.Node) else None
-        if base is not None and _scale_factor(fill) is not None and _same_shape(_shape(data) or (), _shape(n) or (None,)):
+        if base is not None and _scale_factor(fill) is not None and \
+                _torch_api.same_shape(_shape(data) or (), _shape(n) or (None,)):
             return _leaf(("mask", base, n))
     return None
 

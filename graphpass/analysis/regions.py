@@ -23,6 +23,7 @@ import torch
 from graphpass.analysis import catalogue, rowlocal
 from graphpass._torch_api import known_equal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
+from graphpass.fx_utils import target_name
 from graphpass.records import Candidate
 
 aten = torch.ops.aten
@@ -208,7 +209,7 @@ def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Candidate
         if why is None:
             why = _finish(grower, order, regions)
         if why is not None:
-            rejected.append(Candidate(source_of(node), f"{rowlocal._name(node)}: {why}"))
+            rejected.append(Candidate(source_of(node), f"{target_name(node)}: {why}"))
     return regions, rejected
 
 

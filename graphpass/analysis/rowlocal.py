@@ -18,9 +18,10 @@ import operator
 
 import torch
 
-from graphpass._torch_api import is_aten_overload, known_equal
+from graphpass._torch_api import is_aten_overload, known_equal, schema_of
 from graphpass.analysis import catalogue
 from graphpass.analysis.layouts import Role
+from graphpass.fx_utils import target_name, value_or_constant
 
 aten = torch.ops.aten
 
@@ -58,7 +59,7 @@ def _is_vocab_to_dim1(node, rows) -> bool:
     """True if `node` is `x.transpose(1, 2)` of a `[B, S, V]` row tensor `x` (rows = B * S)."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is not aten.transpose.int:
         return False
-    src = _val(node.args[0])
+    src = value_or_constant(node.args[0])
     if not isinstance(src, torch.Tensor) or src.ndim != 3:
         return False
     # Only 3-D: for more dims, swapping 1 and -1 would also reorder the row dims.
@@ -71,12 +72,12 @@ def node_layout(node, rows) -> Layout | None:
     """`layout_of` a node's value, recognising a transposed loss input (see the module docstring)."""
     if _is_vocab_to_dim1(node, rows):
         return Layout(TRANSPOSED, node.meta["val"].shape[1], 2)
-    return layout_of(_val(node), rows)
+    return layout_of(value_or_constant(node), rows)
 
 
 def rows_and_vocab(anchor):
     """(rows, V) of a region started at `anchor`: V is the last dim, or for a loss the class dim 1."""
-    shape = _val(anchor.args[0]).shape
+    shape = value_or_constant(anchor.args[0]).shape
     if anchor.target in _NLL and len(shape) >= 3:
         return shape[0] * math.prod(shape[2:]), shape[1]
     return math.prod(shape[:-1]), shape[-1]
@@ -138,8 +139,6 @@ def _last_dim(dim, ndim) -> bool:
     return isinstance(dim, int) and dim % max(ndim, 1) == ndim - 1
 
 
-def _val(x):
-    return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
 
 
 def operand_role(operand_val, out_val, out_layout: Layout) -> Role | None:
@@ -170,77 +169,75 @@ def check(node, rows, layouts: dict) -> str | None:
     for a in node.all_input_nodes:
         # A transposed value's rows are not its leading dims: only a loss may read it, as input.
         if _is_vocab_to_dim1(a, rows) and not (target in _NLL and a is node.args[0]):
-            return f"{_name(node)} reads a transposed [rows, V] value"
+            return f"{target_name(node)} reads a transposed [rows, V] value"
     if target is operator.getitem:
         return None if node.args[0] in layouts else "getitem of a value outside the region"
     val = node.meta.get("val")
     outs = val if isinstance(val, (tuple, list)) else (val,)
     out_layouts = [layout_of(v, rows) for v in outs]
     if any(lay is None or lay.kind != ROW for lay in out_layouts):
-        return f"{_name(node)} output is not laid out over the region's rows"
+        return f"{target_name(node)} output is not laid out over the region's rows"
     out_layout = out_layouts[0]
-    tensor_args = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    tensor_args = [a for a in node.all_input_nodes if isinstance(value_or_constant(a), torch.Tensor)]
     if is_pointwise(target):
         for a in tensor_args:
-            role = operand_role(_val(a), outs[0], out_layout)
+            role = operand_role(value_or_constant(a), outs[0], out_layout)
             # A [V] operand when R == V: broadcast along V here, but its layout (how it is
             # chunked) says one value per row.
             lay = layouts.get(a) or node_layout(a, rows)
             mismatched = role == BCAST and lay is not None and lay.kind == ROW and not known_equal(rows, 1)
             if role is None or mismatched:
-                return f"{_name(node)} broadcasts {a.name} across rows"
+                return f"{target_name(node)} broadcasts {a.name} across rows"
         return None
     first = node.args[0] if node.args else None
     in_layout = layouts.get(first) or node_layout(first, rows)
     if in_layout is None or in_layout.kind not in (ROW, TRANSPOSED):
-        return f"{_name(node)} input is not laid out over the rows"
-    ndim = _val(first).ndim
+        return f"{target_name(node)} input is not laid out over the rows"
+    ndim = value_or_constant(first).ndim
     has_tail = in_layout.row_dims < ndim
     if target in _VIEWS:
         if known_equal(in_layout.width, out_layout.width) or (
                 target in (aten.expand.default, aten.expand_as.default) and known_equal(in_layout.width, 1)):
             return None
-        return f"{_name(node)} moves elements between rows and the vocabulary"
+        return f"{target_name(node)} moves elements between rows and the vocabulary"
     kw = normalized_args(node)
     if kw is None:
-        return f"cannot read the arguments of {_name(node)}"
+        return f"cannot read the arguments of {target_name(node)}"
     if target in _REDUCTIONS:
         dims = kw.get("dim")
         if not (has_tail and dims is not None and len(dims) == 1 and _last_dim(dims[0], ndim)):
-            return f"{_name(node)} reduces over rows, not the vocabulary"
+            return f"{target_name(node)} reduces over rows, not the vocabulary"
         return None
     if target in _REDUCTIONS_INT_DIM or target in _SOFTMAX:
         if not (has_tail and _last_dim(kw.get("dim"), ndim)):
             dim = kw.get("dim")
-            return (f"{_name(node)} is over dim {dim}, not the last: put the vocabulary last "
+            return (f"{target_name(node)} is over dim {dim}, not the last: put the vocabulary last "
                     f"(x.transpose({dim}, -1), then dim=-1) to have it chunked")
         return None
     if target in _GATHER:
         index = kw.get("index", kw.get("indices"))
-        index_layout = layout_of(_val(index), rows)
+        index_layout = layout_of(value_or_constant(index), rows)
         if not (has_tail and _last_dim(kw.get("dim"), ndim) and index_layout is not None
-                and index_layout.kind == ROW and _val(index).ndim == ndim):
-            return f"{_name(node)} does not pick along the vocabulary with a per-row index"
+                and index_layout.kind == ROW and value_or_constant(index).ndim == ndim):
+            return f"{target_name(node)} does not pick along the vocabulary with a per-row index"
         return None
     if target in _NLL:
-        target_val = _val(kw.get("target"))
+        target_val = value_or_constant(kw.get("target"))
         weight = kw.get("weight")
         if (ndim != 2 and in_layout.kind != TRANSPOSED) or kw.get("reduction") != 0 or target_val is None \
                 or target_val.ndim != ndim - 1:
-            return f"{_name(node)} is not per-token ([N, V] or transposed [B, V, S] logits, reduction='none')"
-        if weight is not None and _val(weight).ndim != 1:
-            return f"{_name(node)} has a weight that is not per-class"
+            return f"{target_name(node)} is not per-token ([N, V] or transposed [B, V, S] logits, reduction='none')"
+        if weight is not None and value_or_constant(weight).ndim != 1:
+            return f"{target_name(node)} has a weight that is not per-class"
         return None
     if target is aten.slice.Tensor:
         if has_tail and _last_dim(kw.get("dim"), ndim) and all(
                 isinstance(kw.get(k), (int, type(None))) for k in ("start", "end", "step")):
             return None
         return "slice over rows"
-    return f"{_name(node)} is not a row-local op"
+    return f"{target_name(node)} is not a row-local op"
 
 
-def _name(node) -> str:
-    return getattr(node.target, "__name__", str(node.target))
 
 
 # ---- canonical emission ------------------------------------------------------------------
@@ -286,7 +283,7 @@ def emit(graph: torch.fx.Graph, node, env, layouts):
 def _call(graph, target, kw):
     """Call an ATen overload from normalized kwargs: positional args in schema order."""
     args, kwargs = [], {}
-    for a in target._schema.arguments:
+    for a in schema_of(target).arguments:
         if a.name not in kw:
             continue
         if a.kwarg_only:
@@ -304,6 +301,6 @@ def _width_in_chunk(graph, width, env, layouts):
     if isinstance(width, int):
         return width
     for n, lay in layouts.items():
-        if n in env and isinstance(_val(n), torch.Tensor) and lay is not None and known_equal(lay.width, width):
+        if n in env and isinstance(value_or_constant(n), torch.Tensor) and lay is not None and known_equal(lay.width, width):
             return graph.call_function(aten.sym_size.int, (env[n], -1))
     raise ValueError(f"graphpass: no tensor in the region has the width {width}")

@@ -25,6 +25,7 @@ import torch
 
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import edges_carrying_grad, grad_flows
+from graphpass.fx_utils import target_name, transitive_users
 
 aten = torch.ops.aten
 
@@ -107,7 +108,7 @@ def match_summed_loss(region, modes, order) -> tuple[SummedLoss | None, str | No
                 continue
             why = rowlocal.check(user, region.rows, layouts)
             if why is not None:
-                return None, f"its outputs reach the loss through {rowlocal._name(user)} at {source_of(user)}: {why}"
+                return None, f"its outputs reach the loss through {target_name(user)} at {source_of(user)}: {why}"
             layouts[user] = rowlocal.node_layout(user, region.rows)
             taken.add(user)
             frontier.append(user)
@@ -126,7 +127,7 @@ def match_summed_loss(region, modes, order) -> tuple[SummedLoss | None, str | No
         return None, f"{extra.name} at {source_of(extra)} carries a gradient but does not reach a sum"
     produced = inside | taken
     outside = [a for n in nodes for a in n.all_input_nodes if a not in produced]
-    downstream = _descendants([*region.outputs, *nodes])
+    downstream = transitive_users([*region.outputs, *nodes])
     for a in outside:
         if a in downstream:
             return None, f"its loss math reads {a.name}, computed from its own outputs"
@@ -185,7 +186,7 @@ def _affine_sink(totals, modes, order, dependent) -> tuple:
     totals, affine in them with coefficients computed from values outside `dependent` (the
     region's descendants); (None, None) where there is none."""
     affine, steps = set(totals), []
-    for node in sorted(_descendants(totals), key=order.__getitem__):
+    for node in sorted(transitive_users(totals), key=order.__getitem__):
         val = node.meta.get("val")
         if node.op != "call_function" or not modes[node] or not isinstance(val, torch.Tensor) \
                 or val.ndim != 0 or not val.is_floating_point():
@@ -216,13 +217,3 @@ def _ancestors_within(node, allowed) -> set:
         found.add(n)
         todo.extend(n.all_input_nodes)
     return found
-
-
-def _descendants(nodes) -> set:
-    seen, todo = set(), list(nodes)
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen

@@ -31,6 +31,7 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue, recognize, rowlocal
 from graphpass.analysis.recognize import PW, Exp, OutputLabel
+from graphpass.fx_utils import fake_value
 
 aten = torch.ops.aten
 
@@ -76,7 +77,7 @@ class _Owned:
     target: torch.fx.Node
 
 
-_COLLECTIVES = torch.ops._c10d_functional
+_COLLECTIVES = _torch_api.functional_collectives
 _OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
 
 
@@ -230,7 +231,7 @@ def _passes_shares(base):
 def _select_unit(ev, n):
     """`x[:, 0]` of a `[T, 1]` value: the same values, one dim fewer (a view)."""
     shape = recognize._shape(n.args[0])
-    if shape is None or not recognize._same_size(shape[n.args[1]], 1):
+    if shape is None or not _torch_api.same_size(shape[n.args[1]], 1):
         return None
     return ev(n.args[0])
 
@@ -327,7 +328,7 @@ def _temperature(key, logits) -> float | None:
 
 def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     """(kind, temperature, target node) of one output, or the reason it is not understood."""
-    val = recognize._val(node)
+    val = fake_value(node)
     if isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() == 0:
         return EMPTY, None, None  # no values, no gradient: what it was computed from does not matter
     form = ev(node)
@@ -354,7 +355,7 @@ def _group(gm) -> tuple[str, list] | str:
 
 
 def _is_wide(node) -> bool:
-    val = recognize._val(node)
+    val = fake_value(node)
     return isinstance(val, torch.Tensor) and val.ndim >= 2 and val.is_floating_point()
 
 
@@ -362,7 +363,7 @@ def _evaluator(gm, logits, group_name, rank_and_size) -> _ShardEvaluator | None:
     """The evaluator for `logits` as this rank's slice of the group's vocabulary; None when the
     slice's width is symbolic (its first column would be too)."""
     rank, _ = rank_and_size(group_name)
-    width = recognize._val(logits).shape[-1]
+    width = fake_value(logits).shape[-1]
     return _ShardEvaluator(gm, logits, rank * width, width) if isinstance(width, int) else None
 
 
@@ -458,7 +459,7 @@ def _has_statistic(form) -> bool:
 
 
 def _labelled(ev, node) -> bool:
-    if not isinstance(recognize._val(node), torch.Tensor):
+    if not isinstance(fake_value(node), torch.Tensor):
         return False
     try:
         return recognize._classify(ev(node)).kind != recognize.ROWWISE
@@ -520,8 +521,8 @@ def match_token_loss(op: torch.fx.Node, items: list, entropy_grad: bool, modes, 
     from graphpass.analysis.summed_loss import match_summed_loss
 
     outputs = items if entropy_grad else items[:1]
-    rows = recognize._val(outputs[0]).numel()
-    region = _OpOutputs([op, *items], list(outputs), {o: rowlocal.layout_of(recognize._val(o), rows)
+    rows = fake_value(outputs[0]).numel()
+    region = _OpOutputs([op, *items], list(outputs), {o: rowlocal.layout_of(fake_value(o), rows)
                                                       for o in outputs}, rows, op)
     summed, why = match_summed_loss(region, modes, order)
     if summed is None:
@@ -538,7 +539,7 @@ def match_token_loss(op: torch.fx.Node, items: list, entropy_grad: bool, modes, 
 
     def read(a):
         if a not in env:
-            val = recognize._val(a)
+            val = fake_value(a)
             if a in from_op:  # the entropy without its gradient, say: the op cannot read its own output
                 raise _NotPerToken(f"its loss math reads {a.name} at {source_of(a)}, computed from the op's outputs "
                                    "without their gradient")
@@ -552,8 +553,8 @@ def match_token_loss(op: torch.fx.Node, items: list, entropy_grad: bool, modes, 
 
     try:
         for node in summed.nodes:
-            val = recognize._val(node)
-            operands = [recognize._val(a) for a in node.all_input_nodes]
+            val = fake_value(node)
+            operands = [fake_value(a) for a in node.all_input_nodes]
             if not per_token(val) or not all(
                     isinstance(v, torch.Tensor) and (tuple(v.shape) == tuple(val.shape) or
                                                      _torch_api.known_equal(v.numel(), 1) or node.target in _FLAT_VIEWS)

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
+from graphpass.fx_utils import hashable, transitive_users
 from graphpass.analysis.catalogue import is_deterministic_pointwise
 from graphpass.ops import peephole, row_sums
 
@@ -127,7 +128,7 @@ class JointSplit:
         primals, cotangents = self._placeholders(joint)
         for i, node in enumerate(primals):
             env[node] = _placeholder(graph, f"arg{i}", node)
-        backward_nodes = _reachable_from(cotangents)
+        backward_nodes = {*cotangents} | transitive_users(cotangents)
         results = _output_nodes(joint)
         saved = self._values_to_save(joint, backward_nodes, results[self.n_outputs:])
         for node in joint.graph.nodes:
@@ -149,7 +150,8 @@ class JointSplit:
         needed); anything else is recomputed, so its inputs are needed in turn.
         """
         primals, _ = self._placeholders(joint)
-        from_wide = _reachable_from([n for n, spec in zip(primals, self.args) if spec.wide])
+        wide = [n for n, spec in zip(primals, self.args) if spec.wide]
+        from_wide = {*wide} | transitive_users(wide)
         vocab = min(spec.shape[-1] for spec in self.args if spec.wide)
         stack = [a for b in backward_nodes if b.op == "call_function"
                  for a in b.all_input_nodes if a not in backward_nodes]
@@ -236,7 +238,7 @@ class JointSplit:
         env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, cotangents)})
         out_slices = {i: _placeholder(graph, f"grad_in{i}", primals[i]) for i in in_place}
         env.update({primals[i]: out_slices[i] for i in overwritten})
-        backward_nodes = _reachable_from(cotangents)
+        backward_nodes = {*cotangents} | transitive_users(cotangents)
         for node in joint.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -376,15 +378,6 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list:
     return list(gm.graph.output_node().args[0])
 
 
-def _reachable_from(nodes) -> set:
-    """`nodes` and every node that (transitively) reads one of them."""
-    seen, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.users)
-    return seen
 
 
 def _is_narrow(node, vocab: int) -> bool:
@@ -408,11 +401,15 @@ class _StructuralIds:
 
     def of_graph(self, graph: torch.fx.Graph) -> dict:
         ids = {}
+
+        def key(node):
+            return ("node", ids[node])
+
         for position, node in enumerate(n for n in graph.nodes if n.op == "placeholder"):
             ids[node] = self._intern(("input", position))
         for node in graph.nodes:
             if node.op == "call_function":
-                ids[node] = self._intern((node.target, _freeze(node.args, ids), _freeze(node.kwargs, ids)))
+                ids[node] = self._intern((node.target, hashable(node.args, key), hashable(node.kwargs, key)))
         return ids
 
     def _intern(self, key) -> int:
@@ -421,13 +418,3 @@ class _StructuralIds:
         except TypeError:  # an unhashable constant: give it an id nothing else shares
             self._table[object()] = len(self._table)
             return len(self._table) - 1
-
-
-def _freeze(value, ids):
-    if isinstance(value, torch.fx.Node):
-        return ("node", ids[value])
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v, ids) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v, ids)) for k, v in value.items()))
-    return value

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from graphpass.analysis.catalogue import is_deterministic_pointwise
+from graphpass.fx_utils import hashable
 
 aten = torch.ops.aten
 
@@ -71,7 +72,7 @@ def merge_common_subexpressions(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.is_impure() or not _is_pure(node.target):
             continue
-        key = (node.target, _key(node.args), _key(node.kwargs))
+        key = (node.target, hashable(node.args), hashable(node.kwargs))
         try:
             earlier = seen.setdefault(key, node)
         except TypeError:  # an unhashable constant argument
@@ -92,12 +93,6 @@ def _is_pure(target) -> bool:
         aten.sym_size.int, aten._to_copy.default, aten.squeeze.dim, aten.unsqueeze.default, aten.view.default)
 
 
-def _key(value):
-    if isinstance(value, (list, tuple)):
-        return tuple(_key(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _key(v)) for k, v in value.items()))
-    return value
 
 
 def _is_row_sum(node) -> bool:
@@ -241,4 +236,3 @@ def _order(factor):
     """A stable order of wide factors, so that equal products are spelled alike."""
     form, node = factor if isinstance(factor, tuple) else ("", factor)
     return (node.name if isinstance(node, torch.fx.Node) else repr(node), form)
-

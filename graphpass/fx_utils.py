@@ -1,0 +1,58 @@
+"""Graph walks, node values and names: the FX helpers capture, analysis/, ops/ and passes/ share."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` (same submodules; nodes' meta shallow-copied) whose graph can be edited freely."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def fake_value(x):
+    """The fake value a node computes (`meta["val"]`); None for anything that is not a node."""
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+
+
+def value_or_constant(x):
+    """A node's fake value, or `x` itself when it is a constant argument (a number, a dtype)."""
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+
+def target_name(node: torch.fx.Node) -> str:
+    """What a node calls, as messages name it (`log_softmax.default`, `sum`)."""
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def transitive_users(nodes) -> set:
+    """Every node that reads one of `nodes`, directly or through others (a seed only when read)."""
+    seen, todo = set(), list(nodes)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def hashable(value, node_key: Callable = lambda node: node):
+    """A node's arguments as a hashable key: lists and dicts become tuples, each node `node_key(node)`,
+    a constant its type and value (1, 1.0 and True are equal in Python, not as arguments), an
+    unhashable constant its identity (equal only to itself)."""
+    if isinstance(value, torch.fx.Node):
+        return node_key(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(hashable(v, node_key) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, hashable(v, node_key)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", id(value))
+    return (type(value).__name__, value)
