@@ -258,49 +258,50 @@ def _nbytes(t: torch.Tensor) -> int:
     return _torch_api.size_hint(t.untyped_storage().nbytes())
 
 
-def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimate:
-    """Storage liveness over a joint graph whose first `n_inputs` placeholders are the baseline;
-    `sites` (`SiteRecord`s) give the workspace of its chunked ops."""
-    sites = _Sites(sites)
-    nodes = list(joint_gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    n_primals = min(n_inputs, len(placeholders))
-    # Backward starts at the first node that reads a tangent.
-    tangent_set = set(placeholders[n_primals:])
-    bwd_start = min((index[u] for t in tangent_set for u in t.users), default=end)
+@dataclasses.dataclass
+class _Storages:
+    """The storages a joint graph's values live in: which each node's value uses, their sizes and
+    allocating nodes, those of the inputs (the baseline), and the last node that reads each."""
 
-    keys: dict = {}  # node -> storage keys of its value
-    info: dict = {}  # storage key -> (nbytes, allocating node)
-    baseline: set = set()
-    for n in nodes:
-        ts = _tensors(n.meta.get("val"))
-        keys[n] = [_torch_api.storage_key(t) for t in ts]
-        for k, t in zip(keys[n], ts):
-            if k not in info:
-                info[k] = (_nbytes(t), n, t)
-            if n.op == "placeholder":
-                baseline.add(k)
+    keys: dict  # node -> storage keys of its value
+    info: dict  # storage key -> (nbytes, allocating node, a tensor in it)
+    baseline: set
+    last_use: dict  # storage key -> index of the last node reading it (len(nodes): the graph's end)
 
-    last_use: dict = {}
-    for n in nodes:
-        uses = [end if u.op == "output" else index[u] for u in n.users]
-        if n.op == "output":
-            continue
-        for k in keys[n]:
-            last_use[k] = max([last_use.get(k, index[n]), *uses])
-    for k in _torch_api.tree_leaves([keys[a] for a in nodes[-1].all_input_nodes]):
-        last_use[k] = end  # graph outputs live to the end
+    @classmethod
+    def of(cls, nodes: list, index: dict) -> "_Storages":
+        end = len(nodes)
+        keys, info, baseline = {}, {}, set()
+        for n in nodes:
+            ts = _tensors(n.meta.get("val"))
+            keys[n] = [_torch_api.storage_key(t) for t in ts]
+            for k, t in zip(keys[n], ts):
+                if k not in info:
+                    info[k] = (_nbytes(t), n, t)
+                if n.op == "placeholder":
+                    baseline.add(k)
+        last_use = {}
+        for n in nodes:
+            uses = [end if u.op == "output" else index[u] for u in n.users]
+            if n.op == "output":
+                continue
+            for k in keys[n]:
+                last_use[k] = max([last_use.get(k, index[n]), *uses])
+        for k in _torch_api.tree_leaves([keys[a] for a in nodes[-1].all_input_nodes]):
+            last_use[k] = end  # graph outputs live to the end
+        return cls(keys, info, baseline, last_use)
 
-    # Eager's in-place reuse (see module docstring): map a node's new storage onto a dying operand's.
+
+def _eager_reuse(nodes: list, index: dict, bwd_start: int, st: _Storages) -> dict:
+    """Eager's in-place reuse in backward (see the module docstring): a node's new storage -> the
+    dying operand's storage it takes over (an `add` of gradients, a scatter into a fresh buffer).
+    Extends the reused storage's last use to the new value's."""
     reuse: dict = {}
     for n in nodes[bwd_start:]:
-        if n.op != "call_function" or len(keys[n]) != 1:
+        if n.op != "call_function" or len(st.keys[n]) != 1:
             continue
         name = _op_name(n.target)
-        out_key = keys[n][0]
-        out_bytes = info[out_key][0]
+        out_key = st.keys[n][0]
         candidates = []
         if name == "add":
             candidates = [a for a in n.args[:2] if isinstance(a, torch.fx.Node)]
@@ -308,14 +309,29 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimat
             if _op_name(getattr(n.args[0], "target", None)) in _FRESH_BUFFERS:
                 candidates = [n.args[0]]
         for a in candidates:
-            if len(keys.get(a, ())) != 1:
+            if len(st.keys.get(a, ())) != 1:
                 continue
-            k = reuse.get(keys[a][0], keys[a][0])
-            if (k not in baseline and index[info[k][1]] >= bwd_start and last_use.get(k) == index[n]
-                    and info[k][0] == out_bytes and k != out_key):
+            k = reuse.get(st.keys[a][0], st.keys[a][0])
+            if (k not in st.baseline and index[st.info[k][1]] >= bwd_start and st.last_use.get(k) == index[n]
+                    and st.info[k][0] == st.info[out_key][0] and k != out_key):
                 reuse[out_key] = k
-                last_use[k] = max(last_use[k], last_use.get(out_key, index[n]))
+                st.last_use[k] = max(st.last_use[k], st.last_use.get(out_key, index[n]))
                 break
+    return reuse
+
+
+def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimate:
+    """Storage liveness over a joint graph whose first `n_inputs` placeholders are the baseline;
+    `sites` (`SiteRecord`s) give the workspace of its chunked ops."""
+    sites = _Sites(sites)
+    nodes = list(joint_gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    n_primals = min(n_inputs, len(placeholders))
+    # Backward starts at the first node that reads a tangent.
+    bwd_start = min((index[u] for t in placeholders[n_primals:] for u in t.users), default=len(nodes))
+    st = _Storages.of(nodes, index)
+    reuse = _eager_reuse(nodes, index, bwd_start, st)
 
     def canon(k):
         while k in reuse:
@@ -323,10 +339,9 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimat
         return k
 
     frees: dict = {}
-    for k, i in last_use.items():
-        if k in baseline or k in reuse:
-            continue
-        frees.setdefault(i, []).append(k)
+    for k, i in st.last_use.items():
+        if k not in st.baseline and k not in reuse:
+            frees.setdefault(i, []).append(k)
 
     live: dict = {}
     live_bytes = peak = saved = 0
@@ -334,12 +349,10 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimat
     for i, n in enumerate(nodes):
         if i == bwd_start:
             saved = live_bytes
-        for k in keys[n]:
-            k = canon(k)
-            if k in baseline or k in live:
-                continue
-            live[k] = info[k]
-            live_bytes += info[k][0]
+        for k in map(canon, st.keys[n]):
+            if k not in st.baseline and k not in live:
+                live[k] = st.info[k]
+                live_bytes += st.info[k][0]
         ws = 0
         if n.op == "call_function" and _is_chunked_op(n.target) and n.args and isinstance(n.args[0], str):
             args_tensors = [a.meta["val"] for a in n.args[1] if isinstance(a, torch.fx.Node)]
@@ -351,17 +364,16 @@ def walk(joint_gm: torch.fx.GraphModule, n_inputs: int, sites=()) -> PeakEstimat
             if k in live:
                 live_bytes -= live.pop(k)[0]
 
-    baseline_bytes = sum(info[k][0] for k in baseline)
     out_node = nodes[-1]
     grads = out_node.args[0][1] if out_node.args and isinstance(out_node.args[0], (tuple, list)) \
         and len(out_node.args[0]) == 2 else []
-    floor = sum(info[canon(k)][0] for g in grads if isinstance(g, torch.fx.Node) for k in keys[g])
+    floor = sum(st.info[canon(k)][0] for g in grads if isinstance(g, torch.fx.Node) for k in st.keys[g])
     live_list = sorted(
         (LiveTensor(node.name, nb, tuple(_torch_api.size_hint(s) for s in t.shape), t.dtype,
                     "backward" if index[node] >= bwd_start else "forward")
          for nb, node, t in peak_live.values()),
         key=lambda lt: -lt.nbytes)
-    return PeakEstimate(peak_bytes=peak, baseline_bytes=baseline_bytes, floor_bytes=floor,
+    return PeakEstimate(peak_bytes=peak, baseline_bytes=sum(st.info[k][0] for k in st.baseline), floor_bytes=floor,
                         saved_bytes=saved, peak_node=peak_node, peak_phase=peak_phase,
                         live_at_peak=live_list, workspace_bytes=peak_ws)
 
