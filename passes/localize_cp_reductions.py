@@ -75,121 +75,144 @@ def localize_cp_reductions_pass(gm: torch.fx.GraphModule, example_inputs, *, con
 
 # ---- rewrite -------------------------------------------------------------------------------------
 def _rewrite(graph: torch.fx.Graph, plan: Plan) -> list:
-    rows = plan.rows
-    fake_mode = _torch_api.detect_fake_mode([rows.local_rows.meta["val"]])
-    first_value = next(iter(plan.row_values))
+    """Each row value of `plan` computed on the local rows, each reduction as this rank's partial,
+    then one sum over the ranks per phase. Returns the collectives it inserted."""
+    local = _LocalRows(graph, plan)
+    local.localize_values()
+    partials = {}
+    for r, extent in plan.reductions.items():
+        with graph.inserting_before(r):
+            partials[r] = _partial(local.node, r, extent, plan.rows, local.twins,
+                                   lambda a, c, extent=extent: local.local_of(a, c, extent), local.mask_of(extent),
+                                   lambda of, extent=extent: local.row_index(extent, of), local.fake_mode, graph)
+    return _sum_over_ranks(graph, plan, local.node, partials)
 
-    def node(target, *args, like=None, **kwargs):
-        return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, like)
 
-    # Padding rows compute what one real local row computes (a copy of its values, detached), so
-    # that no padding row can make an inf or NaN that the single-device program does not; the
-    # reductions then leave them out. `first`: the local row holding the last global row.
-    with graph.inserting_before(first_value):
-        valid = node(aten.ge.Scalar, rows.local_rows, 0)
-        first = node(aten.unsqueeze.default, node(aten.argmax.default, rows.local_rows), 0)
-        fill_rows = node(aten.where.self, valid, rows.local_rows,
-                         node(aten.clamp_min.default, node(aten.index_select.default, rows.local_rows, 0, first), 0))
-        local = {u: node(aten.where.self, _row_mask(node, valid, u.args[0]), u.args[0],
-                         node(aten.detach.default, node(aten.index_select.default, u.args[0], 0, first)))
-                 for u in plan.row_values if u.target is UNSHARD}
-    masks, reads = {}, {}
+class _LocalRows:
+    """The local rows of a plan's values, built in `graph`: each row value's local twin and what
+    they read (row masks, row indices, replicated operands read at the local rows), each made once."""
 
-    def whole(extent) -> bool:
-        return extent.start == 0 and _torch_api.known_equal(extent.length, plan.total)
+    def __init__(self, graph: torch.fx.Graph, plan: Plan):
+        self.graph, self.plan = graph, plan
+        rows = plan.rows
+        self.fake_mode = _torch_api.detect_fake_mode([rows.local_rows.meta["val"]])
+        self.first_value = next(iter(plan.row_values))
+        node = self.node
+        # Padding rows compute what one real local row computes (a copy of its values, detached),
+        # so that no padding row can make an inf or NaN that the single-device program does not;
+        # the reductions then leave them out. `first`: the local row holding the last global row.
+        with graph.inserting_before(self.first_value):
+            self.valid = node(aten.ge.Scalar, rows.local_rows, 0)
+            first = node(aten.unsqueeze.default, node(aten.argmax.default, rows.local_rows), 0)
+            self.fill_rows = node(aten.where.self, self.valid, rows.local_rows,
+                                  node(aten.clamp_min.default, node(aten.index_select.default, rows.local_rows, 0,
+                                                                    first), 0))
+            self.twins = {u: node(aten.where.self, _row_mask(node, self.valid, u.args[0]), u.args[0],
+                                  node(aten.detach.default, node(aten.index_select.default, u.args[0], 0, first)))
+                          for u in plan.row_values if u.target is UNSHARD}
+        self.masks, self.reads = {}, {}
 
-    def mask_of(extent):
+    def node(self, target, *args, like=None, **kwargs):
+        return _torch_api.fake_node(self.graph, self.fake_mode, target, args, kwargs, like)
+
+    def whole(self, extent) -> bool:
+        return extent.start == 0 and _torch_api.known_equal(extent.length, self.plan.total)
+
+    def mask_of(self, extent):
         """The local rows that hold a row of `extent` (real rows only)."""
-        if whole(extent):
-            return valid
+        if self.whole(extent):
+            return self.valid
         key = (extent.start, extent.length)
-        if key not in masks:
-            with graph.inserting_before(first_value):
-                masks[key] = node(aten.logical_and.default, node(aten.ge.Scalar, rows.local_rows, extent.start),
-                                  node(aten.lt.Scalar, rows.local_rows, extent.start + extent.length))
-        return masks[key]
+        if key not in self.masks:
+            rows = self.plan.rows.local_rows
+            with self.graph.inserting_before(self.first_value):
+                self.masks[key] = self.node(aten.logical_and.default, self.node(aten.ge.Scalar, rows, extent.start),
+                                            self.node(aten.lt.Scalar, rows, extent.start + extent.length))
+        return self.masks[key]
 
-    def local_of(a, consumer, extent):
+    def local_of(self, a, consumer, extent):
         """The local rows of `a`, as `consumer` reads it in `extent`: its local twin, the replicated
         `a` read at the local rows, or `a` itself (a broadcast operand)."""
         if not isinstance(a, torch.fx.Node):
             return a
-        if a in local:
-            return local[a]
+        if a in self.twins:
+            return self.twins[a]
         if extent.cols is not None:
-            return per_sequence_operand(a, consumer, extent)
+            return self.per_sequence_operand(a, consumer, extent)
         key = (a, extent.start)
-        if key not in reads and aligned(a, extent) and a.meta["val"].ndim == row_operand_ndim(consumer, a):
-            reads[key] = node(aten.index_select.default, a, 0, row_index(extent, "rows"), like=a)
-        return reads.get(key, a)
+        if key not in self.reads and aligned(a, extent) and a.meta["val"].ndim == row_operand_ndim(consumer, a):
+            self.reads[key] = self.node(aten.index_select.default, a, 0, self.row_index(extent, "rows"), like=a)
+        return self.reads.get(key, a)
 
-    def row_index(extent, of: str):
+    def row_index(self, extent, of: str):
         """Per local row: its row in `extent` ("rows": row i of a value is global row start + i),
         its sequence ("seq") or its position in its sequence ("col"), clamped into range (rows
         outside the range are left out later)."""
-        if of == "rows" and whole(extent):
-            return fill_rows
+        if of == "rows" and self.whole(extent):
+            return self.fill_rows
         key = (extent.start, extent.length, extent.cols, of)
-        if key not in reads:
-            with graph.inserting_before(first_value):
-                index = node(aten.clamp.default, node(aten.sub.Tensor, fill_rows, extent.start), 0,
+        if key not in self.reads:
+            node = self.node
+            with self.graph.inserting_before(self.first_value):
+                index = node(aten.clamp.default, node(aten.sub.Tensor, self.fill_rows, extent.start), 0,
                              max(0, extent.length - 1))
                 if of == "seq":
                     index = node(aten.div.Tensor_mode, index, extent.cols, rounding_mode="floor")
                 elif of == "col":
                     index = node(aten.remainder.Scalar, index, extent.cols)
-                reads[key] = index
-        return reads[key]
+                self.reads[key] = index
+        return self.reads[key]
 
-    def per_sequence_operand(a, consumer, extent):
+    def per_sequence_operand(self, a, consumer, extent):
         """A replicated operand of `[B, S, ...]` math, as `[T_local or 1, ...]` against the local rows."""
         v, val = a.meta["val"], consumer.meta["val"]
         how = per_sequence_alignment(v, val) if isinstance(v, torch.Tensor) else None
         if how is None:
             return a
         key = (a, extent.start, extent.length, extent.cols)
-        if key not in reads:
+        if key not in self.reads:
             missing = val.ndim - v.ndim
             trailing = list(v.shape[2 - missing:]) if missing < 2 else list(v.shape)
             if how == "bcast":
-                reads[key] = a if missing >= 2 else node(aten.reshape.default, a, trailing or [])
+                self.reads[key] = a if missing >= 2 else self.node(aten.reshape.default, a, trailing or [])
             else:
-                flat = node(aten.reshape.default, a, [-1, *trailing])
-                reads[key] = node(aten.index_select.default, flat, 0, row_index(extent, how), like=a)
-        return reads[key]
+                flat = self.node(aten.reshape.default, a, [-1, *trailing])
+                self.reads[key] = self.node(aten.index_select.default, flat, 0, self.row_index(extent, how), like=a)
+        return self.reads[key]
 
-    for value, extent in plan.row_values.items():
-        if value.target is UNSHARD:
-            continue
-        if value.target in RESHAPES and plan.row_values.get(value.args[0], extent).cols != extent.cols:
-            local[value] = local[value.args[0]]  # [T, ...] <-> [B, S, ...]: the local rows stay flat
-            continue
-        with graph.inserting_before(value):
-            if value.target in SLICES or value.target is operator.getitem:
-                # A slice keeps every local row; only its range's rows pass a gradient back.
-                source = local[value.args[0] if value.target in SLICES else value.args[0].args[0]]
-                local[value] = node(aten.where.self, _row_mask(node, mask_of(extent), source), source,
-                                    node(aten.detach.default, source), like=value)
+    def localize_values(self) -> None:
+        """Each row value's local twin, in graph order (an unshard's twin is made in `__init__`)."""
+        twins, node = self.twins, self.node
+        for value, extent in self.plan.row_values.items():
+            if value.target is UNSHARD:
                 continue
-            args = torch.fx.node.map_arg(value.args, lambda a: local_of(a, value, extent))
-            kwargs = torch.fx.node.map_arg(value.kwargs, lambda a: local_of(a, value, extent))
-            if value.target in RESHAPES:  # the same shape with the local row count
-                args = (args[0], [-1, *value.meta["val"].shape[1:]]) + tuple(args[2:])
-            local[value] = node(value.target, *args, like=value, **kwargs)
+            if value.target in RESHAPES and self.plan.row_values.get(value.args[0], extent).cols != extent.cols:
+                twins[value] = twins[value.args[0]]  # [T, ...] <-> [B, S, ...]: the local rows stay flat
+                continue
+            with self.graph.inserting_before(value):
+                if value.target in SLICES or value.target is operator.getitem:
+                    # A slice keeps every local row; only its range's rows pass a gradient back.
+                    source = twins[value.args[0] if value.target in SLICES else value.args[0].args[0]]
+                    twins[value] = node(aten.where.self, _row_mask(node, self.mask_of(extent), source), source,
+                                        node(aten.detach.default, source), like=value)
+                    continue
+                args = torch.fx.node.map_arg(value.args, lambda a: self.local_of(a, value, extent))
+                kwargs = torch.fx.node.map_arg(value.kwargs, lambda a: self.local_of(a, value, extent))
+                if value.target in RESHAPES:  # the same shape with the local row count
+                    args = (args[0], [-1, *value.meta["val"].shape[1:]]) + tuple(args[2:])
+                twins[value] = node(value.target, *args, like=value, **kwargs)
 
-    partials = {}
-    for r, extent in plan.reductions.items():
-        with graph.inserting_before(r):
-            partials[r] = _partial(node, r, extent, rows, local, lambda a, c: local_of(a, c, extent), mask_of(extent),
-                                   lambda of: row_index(extent, of), fake_mode, graph)
 
+def _sum_over_ranks(graph: torch.fx.Graph, plan: Plan, node, partials: dict) -> list:
+    """One sum over the ranks per phase of the reductions' partials; each reduction's readers read
+    its total (a scatter's base added once). Returns the collectives."""
     collectives = []
     for phase in sorted(set(plan.phase.values())):
         members = [r for r in plan.reductions if plan.phase[r] == phase]
         last = members[-1]
         with graph.inserting_after(partials[last]):
-            summed = node(_SUM_OVER_RANKS, [partials[r] for r in members], rows.group_name, like=last)
-        collectives.append(CollectiveRecord("all_reduce", rank_and_size(rows.group_name)[2],
+            summed = node(_SUM_OVER_RANKS, [partials[r] for r in members], plan.rows.group_name, like=last)
+        collectives.append(CollectiveRecord("all_reduce", rank_and_size(plan.rows.group_name)[2],
                                             _hint_bytes([partials[r].meta["val"] for r in members])))
         for i, r in enumerate(members):
             with graph.inserting_after(summed):
