@@ -69,9 +69,16 @@ def test_gradients_in_forward_match_autograd_and_scale_in_backward(dtype, chunk)
         assert leaf.grad.dtype == dtype and close(leaf.grad, 3 * ref_grad)
 
 
-def test_block_rows_are_whole_panels_within_a_share_of_the_floor():
-    rows, vocab, hidden = 1024, 16384, 256
-    block = vg.block_rows(0, rows, vocab, hidden, 4)
-    floor = (rows + vocab) * hidden * 4
-    assert block % 32 == 0 and block * vocab * 4 <= floor * 0.4
-    assert vg.block_rows(7, rows, vocab, hidden, 4) == 7 and vg.block_rows(0, 5, 3, 2, 4) <= 5
+def test_block_rows_are_even_whole_panels_within_half_the_floor():
+    hidden, vocab = 256, 16384
+    for rows in (1024, 1000, 2048, 4096, 333):
+        block = vg.block_rows(0, rows, vocab, hidden, 4)
+        floor = (rows + vocab) * hidden * 4
+        assert block % 32 == 0 and block * vocab * 4 <= floor * 0.5
+        # The fewest blocks that fit: one more row per block would not fit, or not save a block.
+        blocks = -(-rows // block)
+        assert blocks == vg.block_collective_count(rows, vocab, hidden, 4, 0)
+        assert blocks * block - rows < block
+    assert vg.block_rows(0, 1024, 16384, 256, 4) == 128  # 8 blocks of 8 MiB at the benchmark's shape
+    assert vg.block_rows(7, 1024, vocab, hidden, 4) == 7 and vg.block_rows(0, 5, 3, 2, 4) <= 5
+    assert vg.block_rows(0, 0, vocab, hidden, 4) == 1 and vg.block_collective_count(0, vocab, hidden, 4, 0) == 0

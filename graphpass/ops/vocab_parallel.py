@@ -19,9 +19,13 @@ or not, with_entropy), never on values, requires_grad or grad mode, so ranks can
 
 `vocab_parallel_lm_head_logprob_entropy(hidden, weight, target, group, bias=...)` is the same op
 with the lm_head inside: each chunk's logits are `hidden_c @ W_r.T (+ b_r)` from this rank's weight
-(and bias) shard, recomputed in backward, which writes `hidden.grad` rows (this rank's partial,
-as autograd of `F.linear` gives) and accumulates the weight's and bias's gradients in fp32; the
-`[*, V/tp]` logits and their gradient never exist. The same one collective, none in backward.
+(and bias) shard, in chunks of rows up to half the floor (`block_rows`), recomputed in backward;
+the `[*, V/tp]` logits and their gradient never exist. The backward, where the weight needs a
+gradient (no keep_mask, on the CPU), goes a vocabulary tile of `W_r` at a time
+(`_head_backward_by_tiles`): the tile's logits for all rows, their gradient written over them,
+`dW[tile]` complete in one GEMM and `dhidden += dl @ W[tile]` (this rank's partial, as autograd of
+`F.linear` gives); else row chunks write `hidden.grad` rows and accumulate the weight's and bias's
+gradients in fp32. The same one collective, none in backward.
 """
 
 from __future__ import annotations
@@ -174,6 +178,12 @@ def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temper
     return out.to(piece.dtype)
 
 
+def _chunk_grad_(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
+    """`_chunk_grad` written over `piece` (its logits are read, then replaced by their gradient):
+    one pass, no chunk-sized output. `local_target` may be shifted by a tile's first column."""
+    piece.copy_(_chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature))
+
+
 _KERNELS: dict = {}
 
 
@@ -321,6 +331,34 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
     return grad.view(logits.shape)
 
 
+class _GradRows:
+    """The row operands of the unmasked gradient kernel (`_chunk_grad`) for all rows, computed once:
+    `[rows, 1]` columns, None where the log-prob's (or the entropy's) gradient is absent or known
+    zero (`known_zero`: no entropy recompute for an entropy returned only for logging)."""
+
+    def __init__(self, target, lse_lp, entropy, grad_logprob, grad_entropy, rank: int, vocab: int,
+                 ignore_index: int | None, dtype):
+        rows = target.numel()
+        local_target, owned, ignored = _local_targets(target.reshape(rows), rank, vocab, ignore_index)
+        self.lse, self.local_target = lse_lp.reshape(rows, 1), local_target[:, None]
+        self.g_lp = self.g_target = self.entropy = self.g_ent = None
+        if grad_logprob is not None:
+            g_lp = torch.where(ignored, 0, _flat(grad_logprob, rows).to(dtype))
+            self.g_lp, self.g_target = g_lp[:, None], torch.where(owned, g_lp, 0)[:, None]
+        if not devices.known_zero(grad_entropy):
+            self.entropy, self.g_ent = entropy.reshape(rows, 1), _flat(grad_entropy, rows).to(dtype)[:, None]
+
+    @staticmethod
+    def _rows(t, sl):
+        return None if t is None else t[sl]
+
+    def args(self, sl, column: int = 0):
+        """The kernel's row operands for rows `sl` of a piece whose first column is `column`."""
+        target = self.local_target[sl] if column == 0 else self.local_target[sl] - column
+        return (self.lse[sl], self._rows(self.g_lp, sl), self._rows(self.g_target, sl), target,
+                self._rows(self.entropy, sl), self._rows(self.g_ent, sl))
+
+
 def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
                    temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink) -> None:
     """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows in order;
@@ -344,13 +382,16 @@ def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_lo
     lse_ent = lse_full if masked else lse_lp
     chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
     if not masked:
-        kernel = _kernel(_chunk_grad, kernels)
         entropy_rows = entropy.reshape(-1)
+        # A chunk a `_HeadLogits` computed is a temporary: its gradient takes its place.
+        in_place = isinstance(logits, _HeadLogits)
+        kernel = _kernel(_chunk_grad_ if in_place else _chunk_grad, kernels)
         for sl, piece in _row_chunks(logits, chunk):
-            sink(sl, kernel(piece, lse_lp[sl, None],
-                            None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
-                            local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
-                            None if g_ent is None else g_ent[sl, None], temperature))
+            grad = kernel(piece, lse_lp[sl, None],
+                          None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
+                          local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
+                          None if g_ent is None else g_ent[sl, None], temperature)
+            sink(sl, piece if in_place else grad)
         return
     # Under a keep mask the log-prob's softmax is over the kept logits, the entropy's over all.
     for sl, piece in _row_chunks(logits, chunk):
@@ -481,6 +522,32 @@ sum_grads_over_group.register_autograd(_sum_grads_backward, setup_context=_sum_g
 
 
 # ---- the lm_head inside: logits = hidden @ W.T (+ bias), chunk by chunk ------------------------------
+# The lm_head ops' one large temporary, a block of rows (or a vocabulary tile) of logits overwritten
+# by their gradient, takes at most this share of their floor (the hidden states' and the weight's
+# gradients). In `vocab_parallel_lm_head_with_gradients` each block costs one all-gather, a
+# synchronisation of the ranks (on a loaded CPU far dearer than its bytes): the blocks are as few
+# as the share allows, of even size, in whole GEMM panels of rows.
+_FLOOR_SHARE = 1 / 2
+_PANEL = 32
+
+
+def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
+    """Rows per block: `chunk_size` (> 0), else the fewest blocks of `[block, vocab]` within the
+    floor's share, split evenly and rounded up to whole panels where that still fits (else whole
+    panels that fit)."""
+    if chunk_size > 0:
+        return max(1, min(chunk_size, rows))
+    floor = (rows + vocab) * hidden_size * itemsize
+    limit = max(1, int(floor * _FLOOR_SHARE // (vocab * itemsize)))
+    if limit >= rows:
+        return max(1, rows)
+    block = -(-rows // -(-rows // limit))
+    panels = _PANEL * -(-block // _PANEL)
+    if panels <= limit:
+        return panels
+    return _PANEL * (limit // _PANEL) if limit >= _PANEL else block
+
+
 class _HeadLogits:
     """This rank's `[*, Vl]` logits as `hidden @ W_r.T (+ b_r)`, never stored: `chunks` computes
     each chunk's rows from the hidden states' (what `_forward` and `_backward_rows` read instead of
@@ -496,12 +563,13 @@ class _HeadLogits:
     def new_empty(self, *args, **kwargs):
         return self.hidden.new_empty(*args, **kwargs)
 
-    def logits(self, sl):
-        """The logits of rows `sl`, `[r, Vl]`, as autograd of `F.linear(hidden, W, b)` computes them."""
+    def logits(self, sl, out=None):
+        """The logits of rows `sl`, `[r, Vl]`, as autograd of `F.linear(hidden, W, b)` computes them
+        (into `out` when given)."""
         h = self.hidden[sl]
         if self.bias is None:
-            return torch.mm(h, self.weight.t())
-        return torch.addmm(self.bias, h, self.weight.t())
+            return torch.mm(h, self.weight.t(), out=out)
+        return torch.addmm(self.bias, h, self.weight.t(), out=out)
 
     def chunks(self, chunk_size: int):
         rows = self.hidden.shape[0]
@@ -520,7 +588,9 @@ class _HeadGradients:
         hidden, weight, bias = head.hidden, head.weight, head.bias
         self.acc = torch.promote_types(weight.dtype, torch.float32)
         self.hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-        self.weight_acc = torch.zeros(weight.shape, dtype=self.acc, device=weight.device) if need_weight else None
+        # The first chunk writes it (no zero fill of a [V/tp, H] buffer): see `results`.
+        self.weight_acc = torch.empty(weight.shape, dtype=self.acc, device=weight.device) if need_weight else None
+        self.weight_written = False
         self.bias_acc = None
         if need_bias and bias is not None:
             self.bias_acc = torch.zeros(bias.shape, dtype=self.acc, device=bias.device)
@@ -529,7 +599,8 @@ class _HeadGradients:
         if self.hidden_grad is not None:
             torch.mm(dl, self.head.weight, out=self.hidden_grad[sl])
         if self.weight_acc is not None:
-            devices.mm_into(self.weight_acc, dl.t(), self.head.hidden[sl], accumulate=True)
+            devices.mm_into(self.weight_acc, dl.t(), self.head.hidden[sl], accumulate=self.weight_written)
+            self.weight_written = True
         if self.bias_acc is not None:
             self.bias_acc += dl.sum(0, dtype=self.acc)
 
@@ -537,6 +608,8 @@ class _HeadGradients:
         """(dhidden, dW, db), each `[0]` where not wanted (a custom op returns tensors, never None)."""
         head = self.head
         empty = head.hidden.new_empty
+        if self.weight_acc is not None and not self.weight_written:  # no rows
+            self.weight_acc.zero_()
         return (empty((0,)) if self.hidden_grad is None else self.hidden_grad.view(self.hidden_shape),
                 empty((0,)) if self.weight_acc is None else self.weight_acc.to(head.weight.dtype),
                 empty((0,)) if self.bias_acc is None else self.bias_acc.to(head.bias.dtype))
@@ -560,7 +633,7 @@ def _vocab_parallel_head_op(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     `[V/tp, H]` weight shard and `[V/tp]` bias shard), computed chunk by chunk: the same outputs
     and the same one collective."""
     return _forward(_HeadLogits(hidden, weight, bias), target, keep_mask, group_name, temperature, with_entropy,
-                    ignore_index, chunk_size, kernels)
+                    ignore_index, _head_rows(chunk_size, hidden, weight), kernels)
 
 
 @_vocab_parallel_head_op.register_fake
@@ -581,10 +654,76 @@ def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor,
     """(dhidden, dweight, dbias) of `vocab_parallel_lm_head_logprob_entropy`, each `[0]` where not
     wanted; each chunk's logits recomputed; no collective."""
     head = _HeadLogits(hidden, weight, bias)
+    if keep_mask is None and need_weight and devices.host_reads_are_free(hidden.device):
+        return _head_backward_by_tiles(head, hidden.shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
+                                       group_name, temperature, ignore_index, chunk_size, kernels, need_hidden,
+                                       need_bias)
     sink = _HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
     _backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                   temperature, ignore_index, chunk_size, kernels, sink)
+                   temperature, ignore_index, _head_rows(chunk_size, hidden, weight), kernels, sink)
     return sink.results()
+
+
+def _head_rows(chunk_size: int, hidden, weight) -> int:
+    """Rows per chunk of the recomputing lm_head op: `chunk_size` (> 0), else `block_rows`."""
+    rows = math.prod(hidden.shape[:-1])
+    return block_rows(chunk_size, rows, weight.shape[0], weight.shape[1], hidden.dtype.itemsize)
+
+
+def _tile_columns(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
+    """Vocabulary entries per tile of `_head_backward_by_tiles`: the `[rows, tile]` logits within
+    the floor's share (`block_rows` turned on its side; `chunk_size` > 0 caps it at as many
+    entries as that many rows take), of even width in whole panels."""
+    floor = (rows + vocab) * hidden_size * itemsize
+    budget = floor * _FLOOR_SHARE if chunk_size <= 0 else chunk_size * vocab * itemsize
+    limit = max(1, int(budget // (max(1, rows) * itemsize)))
+    if limit >= vocab:
+        return vocab
+    tile = -(-vocab // -(-vocab // limit))
+    panels = _PANEL * -(-tile // _PANEL)
+    if panels <= limit:
+        return panels
+    return _PANEL * (limit // _PANEL) if limit >= _PANEL else tile
+
+
+def _head_backward_by_tiles(head: _HeadLogits, hidden_shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
+                            group_name: str, temperature: float, ignore_index: int | None, chunk_size: int,
+                            kernels: str, need_hidden: bool, need_bias: bool):
+    """(dhidden, dweight, dbias) of the unmasked recomputing op, a vocabulary tile at a time: the
+    tile's logits for all rows `h @ W[tile].T (+ b[tile])` (every row's statistics are known), the
+    gradient kernel over them in place (targets shifted to the tile), then `dW[tile] = dl.T @ h`,
+    complete in one GEMM of depth `rows` and written once in the weight's dtype (no `[V/tp, H]`
+    accumulator), and `dh += dl @ W[tile]` into a `[rows, H]` accumulator (fp32 for a narrower
+    dtype). No collective."""
+    _, rank, _ = rank_and_size(group_name)
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    dtype = _compute_dtype(hidden.dtype)
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    operands = _GradRows(target, lse_lp, entropy, grad_logprob, grad_entropy, rank, vocab, ignore_index, dtype)
+    dweight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    dhidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_hidden else None
+    dbias = torch.empty(vocab, dtype=acc, device=weight.device) if need_bias and bias is not None else None
+    tile = _tile_columns(chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
+    store = hidden.new_empty(rows * min(tile, vocab))
+    kernel = _kernel(_chunk_grad_, kernels)
+    for start in range(0, vocab, tile):
+        stop = min(vocab, start + tile)
+        logits = store[:rows * (stop - start)].view(rows, stop - start)
+        w = weight[start:stop]
+        if bias is None:
+            torch.mm(hidden, w.t(), out=logits)
+        else:
+            torch.addmm(bias[start:stop], hidden, w.t(), out=logits)
+        kernel(logits, *operands.args(slice(None), start), temperature)
+        torch.mm(logits.t(), hidden, out=dweight[start:stop])
+        if dhidden is not None:
+            devices.mm_into(dhidden, logits, w, accumulate=start > 0)
+        if dbias is not None:
+            torch.sum(logits, 0, dtype=acc, out=dbias[start:stop])
+    empty = hidden.new_empty
+    return (empty((0,)) if dhidden is None else dhidden.to(hidden.dtype).view(hidden_shape), dweight,
+            empty((0,)) if dbias is None else dbias.to(bias.dtype))
 
 
 @_vocab_parallel_head_backward_op.register_fake
@@ -638,7 +777,9 @@ def vocab_parallel_lm_head_logprob_entropy(hidden: torch.Tensor, weight: torch.T
 
     `hidden.grad` is this rank's share, `dlogits_r @ W_r`, as autograd of `F.linear` gives on this
     rank (Megatron sums it over the group in its own copy-to-tensor-parallel region); the weight's
-    and bias's gradients are accumulated in fp32 (float64 in float64) and converted once.
+    gradient is computed a vocabulary tile at a time on the CPU (complete per tile; the hidden
+    states' accumulated in fp32), else accumulated in fp32 (float64 in float64) and converted once.
+    `chunk_size`: rows per chunk (and a tile's bytes); None: up to half the bytes of the gradients.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or not hidden.is_floating_point():
         raise ValueError("graphpass: hidden must be a float [*, H] tensor (at least 2-D)")

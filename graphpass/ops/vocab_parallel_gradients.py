@@ -9,7 +9,7 @@ Where the loss is affine in sums over the rows of per-token math of the log-prob
    collective, per block: the block's log-probs and entropies are known while its logits are at
    hand),
 3. the loss math's gradient for the block's rows (`LossGradient`, traced once per loss),
-4. the block's dlogits, written over its logits a part at a time,
+4. the block's dlogits, written over its logits by one compiled kernel call (no second buffer),
 5. `dh_b = dl_b @ W_r` (this rank's partial) and `dW_r += dl_b.T @ h_b` (two GEMMs).
 
 Three GEMMs instead of the recomputing op's four, and one `[block, V/tp]` buffer. The op returns
@@ -19,7 +19,9 @@ gradient of 1, and a count of the backward passes that used them; its backward s
 carrier's gradient in place (`graphpass::scale_gradients_`, as the single-device op does).
 
 Collectives: one all-gather per block, ceil(rows / block) per call, the block size a function of
-shapes and configuration alone: the same on every rank whatever the values or requires_grad.
+shapes and configuration alone (`block_rows`): the same on every rank whatever the values or
+requires_grad. Blocks are as large as half the floor allows (peak about 1.5 x the floor): each
+all-gather synchronises the ranks, which on a shared CPU costs milliseconds.
 """
 
 from __future__ import annotations
@@ -31,28 +33,9 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.ops.gradients_in_forward import scale_gradients_
-from graphpass.ops.lm_head import _logits_by_vocab_tiles
-from graphpass.ops.vocab_parallel import _backward_rows, _compute_dtype, _forward, _HeadGradients, _HeadLogits
-
-# A block's logits and the kernel's dlogits for a quarter of it are alive at once (fewer, larger
-# kernel calls cost less than their dlogits: each call has a fixed cost); blocks take about this
-# share of the floor (the hidden states' and the weight's gradients), in whole GEMM panels of rows.
-_SUB_BLOCKS = 4
-_FLOOR_SHARE = 1 / 4
-_PANEL = 32
-
-
-def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
-    """Rows per block: `chunk_size` (> 0), else what keeps one block within the floor's share."""
-    if chunk_size > 0:
-        return max(1, min(chunk_size, rows))
-    floor = (rows + vocab) * hidden_size * itemsize
-    per_row = vocab * (itemsize + 4 / _SUB_BLOCKS)
-    block = int(floor * _FLOOR_SHARE // per_row)
-    if block >= _PANEL:  # GEMMs of whole panels run markedly faster (64 rows against 60 here)
-        block = _PANEL * round(block / _PANEL)
-    return max(1, min(rows, block))
-
+from graphpass.ops.groups import rank_and_size
+from graphpass.ops.vocab_parallel import (_chunk_grad_, _compute_dtype, _forward, _GradRows, _HeadGradients, _HeadLogits,
+                                          _kernel, block_rows)
 
 class LossGradient:
     """`(g_logprob, g_entropy)` of `sum_k seeds[k] * summands[k].sum()` for a block's rows, where
@@ -107,6 +90,7 @@ def _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key
                             with_entropy, entropy_grad, ignore_index, chunk_size, kernels, need_hidden, need_weight,
                             need_bias):
     loss = _LOSSES[loss_key]
+    _, rank, _ = rank_and_size(group_name)
     head = _HeadLogits(hidden, weight, bias)
     grads = _HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
     rows, vocab = head.hidden.shape[0], weight.shape[0]
@@ -117,30 +101,26 @@ def _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key
     logprob = hidden.new_empty(rows, dtype=dtype)
     entropy = hidden.new_empty(rows if with_entropy else 0, dtype=dtype)
     block = block_rows(chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
-    sub = max(1, -(-block // _SUB_BLOCKS))
-    buffer = hidden.new_empty(min(block, rows), vocab)
     empty = hidden.new_empty(0, dtype=dtype)
+    grad_kernel = _kernel(_chunk_grad_, kernels)
+    wanted = need_hidden or need_weight or need_bias
+    store = hidden.new_empty(min(block, rows), vocab)
     for start in range(0, rows, block):
         sl = slice(start, min(rows, start + block))
-        logits = buffer[:sl.stop - start]
-        if hidden.device.type == "cpu":  # the single-device lm_head's faster CPU product
-            _logits_by_vocab_tiles(head.hidden[sl], weight, bias, False, out=logits)
-        else:
-            logits.copy_(head.logits(sl))
-        lp, ent, lse, lse_full = _forward(logits, target_flat[sl], None, group_name, temperature, with_entropy,
-                                          ignore_index, block, kernels)
+        logits = store[:sl.stop - start]
+        head.logits(sl, out=logits)
+        lp, ent, lse, _ = _forward(logits, target_flat[sl], None, group_name, temperature, with_entropy,
+                                   ignore_index, block, kernels)
         logprob[sl] = lp
         if with_entropy:
             entropy[sl] = ent
-        if not (need_hidden or need_weight or need_bias):  # this rank computes no gradient
+        if not wanted:  # this rank computes no gradient (the same blocks and collectives)
             continue
         g_lp, g_ent = loss(lp, ent if loss.with_entropy else empty, [s[sl] if s.ndim else s for s in sides], seeds)
-
-        def write(part, dlogits, logits=logits):
-            logits[part].copy_(dlogits)  # the part's logits are read: its dlogits take their place
-
-        _backward_rows(logits, target_flat[sl], None, lse, lse_full, ent, g_lp, g_ent, group_name, temperature,
-                       ignore_index, sub, kernels, write)
+        operands = _GradRows(target_flat[sl], lse, ent, g_lp, g_ent if loss.with_entropy else None, rank, vocab,
+                             ignore_index, dtype)
+        # One kernel call per block: the block's logits become their gradient where they are.
+        grad_kernel(logits, *operands.args(slice(None)), temperature)
         grads(sl, logits)
     dh, dw, db = grads.results()
     carrier = torch.full((), -0.0, dtype=seeds[0].dtype, device=hidden.device)
