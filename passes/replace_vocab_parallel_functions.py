@@ -79,7 +79,7 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
     built = [(*b, True) for b in built]  # (site, op node, whether its gradients may be computed in forward)
     inlined = _replace_inlined(gm, example_inputs, config, record)
     if inlined is not None:
-        built.append(inlined)
+        built = _merge_inlined(gm.graph, built, inlined, record)
     # The replaced code's readers of the logits (an upcast, a division moved into the op) are gone
     # before the fusion asks what else reads them.
     gm.graph.eliminate_dead_code()
@@ -223,9 +223,10 @@ def _same_value(a, b) -> bool:
             and a.args[0] is b.args[0] and list(a.args[1]) == list(b.args[1]))
 
 
-def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node):
-    """None when ops `a` (earlier) and `b` compute exactly what one op reading their logits
-    computes; else why not (`_OTHER_LOGITS` when they read different logits)."""
+def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node, place: torch.fx.Node | None = None):
+    """None when ops `a` and `b` compute exactly what one op reading their logits computes, put
+    before `place` (default: `a`, the earlier; else the one in grad mode where the other runs
+    without grad); else why not (`_OTHER_LOGITS` when they read different logits)."""
     (la, ta, ka, ga, tempa, wea, _, iia, ca, kera), (lb, tb, kb, gb, tempb, web, _, iib, cb, kerb) = a.args, b.args
     if la is not lb:
         return _OTHER_LOGITS
@@ -242,14 +243,20 @@ def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node):
     if (_entropy_read(a) and not wea) or (_entropy_read(b) and not web):
         return "an op's empty entropy is read"
     modes = grad_modes(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    explicit, place = place is not None, a if place is None else place
     if modes[a] != modes[b]:
-        return "they run in different grad modes"
+        if not explicit:
+            return "they run in different grad modes"
+        # The op without grad reads the merged op's outputs detached, after it, in its own mode.
+        other = b if place is a else a
+        if modes[place] is not True or any(order[u] <= order[place] for g in other.users for u in g.users):
+            return "they run in different grad modes, and the one without grad is read before the other"
     if _log_prob_read(a) and _log_prob_read(b):
         if not _same_value(ta, tb) or iia != iib:
             return "both log-probs are read, of different targets"
-    elif _log_prob_read(b):
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        if any(order[n] >= order[a] for n in _target_inputs(tb)):
+    for op, target in ((a, ta), (b, tb)):
+        if op is not place and _log_prob_read(op) and any(order[n] >= order[place] for n in _target_inputs(target)):
             return "the log-prob's targets are computed after the other op"
     return None
 
@@ -262,25 +269,31 @@ def _target_inputs(target: torch.fx.Node) -> list:
     return [target]
 
 
-def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: torch.fx.Node):
-    """(site, op) of one op before `a` computing what ops `a` and `b` computed; both erased."""
+def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: torch.fx.Node,
+           place: torch.fx.Node | None = None):
+    """(site, op) of one op before `place` (default `a`) computing what ops `a` and `b` computed;
+    both erased. The outputs of one in another grad mode than `place` are read detached."""
+    place = a if place is None else place
     (logits, target, keep_mask, group, temperature, with_a, grad_a, ignore_index, chunk, kernels) = a.args
     with_b, grad_b = b.args[5], b.args[6]
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     read_a, read_b = _log_prob_read(a), _log_prob_read(b)
-    with graph.inserting_before(a):
+    modes = grad_modes(graph)
+    with graph.inserting_before(place):
         if read_b and not read_a:
             target, ignore_index = b.args[1], b.args[7]
-            if target.op == "call_function" and target.target in (*_RESHAPES, aten.zeros.default):
-                target = _torch_api.fake_node(graph, fake_mode, target.target, target.args, target.kwargs, target)
+        if target.op == "call_function" and target.target in (*_RESHAPES, aten.zeros.default) and \
+                not _before(graph, target, place):
+            target = _torch_api.fake_node(graph, fake_mode, target.target, target.args, target.kwargs, target)
         with_entropy = with_a or with_b
         entropy_grad = (with_a and grad_a) or (with_b and grad_b)
         op = _torch_api.fake_node(graph, fake_mode, _OP, (logits, target, keep_mask, group, temperature, with_entropy,
-                                                          entropy_grad, ignore_index, chunk, kernels), {}, a)
-        items = [_torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, a) for i in range(2)]
+                                                          entropy_grad, ignore_index, chunk, kernels), {}, place)
+        items = [_torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, place) for i in range(2)]
+        detached = [_torch_api.fake_node(graph, fake_mode, aten.detach.default, (item,), {}, place) for item in items]
     for old in (a, b):
         for user in list(old.users):
-            user.replace_all_uses_with(items[user.args[1]])
+            user.replace_all_uses_with((items if modes[old] == modes[place] else detached)[user.args[1]])
             graph.erase_node(user)
         graph.erase_node(old)
     # The log-prob of an op whose log-prob nothing read (and whose target the other's replaced) is gone.
@@ -293,6 +306,45 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
         collectives=[CollectiveRecord("all_gather", site_a.tp_size,
                                       collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))])
     return site, op
+
+
+def _before(graph, node, place) -> bool:
+    for n in graph.nodes:
+        if n is node:
+            return True
+        if n is place:
+            return False
+    return False
+
+
+def _merge_inlined(graph: torch.fx.Graph, built: list, inlined: tuple, record) -> list:
+    """`built` ((site, op, may) per replaced Function) with `inlined` (the op `_replace_inlined`
+    built) merged into the Function op over the same logits where exact, else appended.
+
+    An entropy computed under `torch.no_grad()` beside megatron-core's loss (a logged metric) is
+    inlined by Dynamo, the loss stays a Function: two ops, two all-gathers, on a rank whose logits
+    require grad, and one op (both inlined) on a rank whose do not. Merged, every rank issues the
+    one all-gather; the no-grad code reads the merged op's outputs detached. Only an inlined
+    Function forward (`function_forward`) with no gradient through it merges."""
+    site, op, function_forward = inlined
+    if not function_forward or any(c.op == "all_reduce in backward" for c in site.collectives):
+        return [*built, inlined]
+    modes = grad_modes(graph)
+    for index, (other_site, other, may) in enumerate(built):
+        place = other if modes[other] and not modes[op] else None
+        first, second = (other, op) if _before(graph, other, op) else (op, other)
+        sites = {other: other_site, op: site}
+        why = _merge_reason(graph, first, second, place)
+        if why is None:
+            merged_site, merged = _merge(graph, sites[first], first, sites[second], second, place)
+            graph.eliminate_dead_code()
+            _absorb_into(merged_site, merged)
+            built[index] = (merged_site, merged, may)
+            return built
+        if why is not _OTHER_LOGITS:
+            record.rejected.append(Candidate(site.source, f"vocab-parallel op not merged with the one at "
+                                                          f"{other_site.source} over the same logits: {why}"))
+    return [*built, inlined]
 
 
 def _absorb_into(site: SiteRecord, op: torch.fx.Node) -> None:

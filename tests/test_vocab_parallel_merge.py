@@ -45,6 +45,11 @@ def _logprob_entropy(code, logits, target, target2, temperature):
     if code == "megatron+verl":
         lp, ent = megatron_logprob_entropy(logits, target, temperature=temperature)
         return lp, ent, None
+    if code == "megatron+entropy without grad":  # a logged metric: Dynamo inlines the entropy Function
+        lp, _ = megatron_logprob_entropy(logits, target, temperature=temperature, with_entropy=False)
+        with torch.no_grad():
+            ent = verl_style_entropy(logits / temperature)
+        return lp, ent, None
     if code == "megatron+slime entropy":  # the slime-style Function's log-prob is read by nothing
         from megatron.core import tensor_parallel
 
@@ -102,6 +107,8 @@ def _reference_terms(code, full, target, target2, temperature):
     lp = logprob_of(target, temperature if code not in ("different targets", "different groups") else 1.0)
     if code in ("megatron+verl", "megatron+slime entropy", "slime log-prob+verl"):
         return lp, entropy_of(temperature), None
+    if code == "megatron+entropy without grad":
+        return lp, entropy_of(temperature).detach(), None
     if code == "megatron twice":
         return lp, None, lp
     if code == "different temperatures":
@@ -126,6 +133,7 @@ CASES = [
     ("megatron+verl", torch.float64, 0.7, "aot_eager", 1, None),
     ("megatron+verl", torch.bfloat16, 0.7, "aot_eager", 1, None),
     ("megatron+slime entropy", torch.float32, 0.7, "aot_eager", 1, None),
+    ("megatron+entropy without grad", torch.float32, 0.7, "aot_eager", 1, None),
     ("slime log-prob+verl", torch.float64, 0.7, "aot_eager", 1, None),
     ("megatron twice", torch.float32, 0.7, "aot_eager", 1, None),
     ("different temperatures", torch.float32, 0.7, "aot_eager", 2, "different temperatures (0.7, 1)"),
@@ -133,6 +141,7 @@ CASES = [
     ("different groups", torch.float32, 1.0, "aot_eager", 2, "they all-reduce over different groups"),
 ]
 KINDS = {"megatron+verl": "-logprob+entropy", "megatron+slime entropy": "-logprob+entropy",
+         "megatron+entropy without grad": "-logprob+entropy",
          "slime log-prob+verl": "logprob+entropy", "megatron twice": "-logprob+-logprob"}
 
 
@@ -252,14 +261,14 @@ def _shard_hidden_grad(code, hidden, weight, target, target2, old, adv, mask, ra
 
 
 # ---- ranks that differ ---------------------------------------------------------------------------
-def _differing(rank, world, modes):
+def _differing(rank, world, code, modes):
     """The loss on each rank in its (requires_grad, grad mode) `modes[rank]`, backward where both:
     (the gloo collectives of the step, the loss's error against one device)."""
     full, local, target, target2, old, adv, mask = _data(rank, torch.float32)
     requires, enabled = modes[rank]
     torch._dynamo.reset()
     backend = graphpass.Backend(inner="aot_eager")
-    fn = torch.compile(functools.partial(_loss, "megatron+verl", 0.7), backend=backend)
+    fn = torch.compile(functools.partial(_loss, code, 0.7), backend=backend)
     logits = local.clone().requires_grad_(requires)
     state = {}
 
@@ -270,11 +279,15 @@ def _differing(rank, world, modes):
             state["loss"].backward()
 
     issued = _profiled(step)
-    ref = _reference_loss("megatron+verl", 0.7, full, target, target2, old, adv, mask)
+    ref = _reference_loss(code, 0.7, full, target, target2, old, adv, mask)
     return issued, _err(state["loss"], ref), _sites(backend)
 
 
-DIFFERING = [((True, True), (False, True)), ((True, True), (True, False))]
+# (code, (requires_grad, grad mode) per rank). A rank whose logits do not require grad, or that runs
+# without grad, gets every Function inlined by Dynamo; with the entropy under no_grad in the code,
+# the entropy is inlined on every rank and the loss a Function only where it requires grad.
+DIFFERING = [("megatron+verl", ((True, True), (False, True))), ("megatron+verl", ((True, True), (True, False))),
+             ("megatron+entropy without grad", ((True, True), (False, True)))]
 
 
 # ---- megatron-core's loss on the logits themselves, read again after it -----------------------------
@@ -312,7 +325,7 @@ def _ranks(rank, world):
     try:
         return dict(cases=[_case(rank, *case) for case in CASES],
                     heads=[_head_case(rank, *case) for case in HEAD_CASES],
-                    differing=[_differing(rank, world, modes) for modes in DIFFERING],
+                    differing=[_differing(rank, world, *case) for case in DIFFERING],
                     overwritten=_overwritten(rank))
     finally:
         parallel_state.destroy_model_parallel()
@@ -404,7 +417,8 @@ def test_the_merged_op_takes_in_the_output_layer(index):
         assert r["vs_eager"] <= (1e-5 if dtype == torch.float32 else tol) and r["vs_ref"] <= tol * 5, where
 
 
-@pytest.mark.parametrize("index", range(len(DIFFERING)), ids=["no-requires-grad", "no-grad"])
+@pytest.mark.parametrize("index", range(len(DIFFERING)), ids=["no-requires-grad", "no-grad",
+                                                               "entropy-without-grad-no-requires-grad"])
 def test_ranks_differing_in_requires_grad_or_grad_mode_issue_the_same_collectives(index):
     per_rank = _spawned()
     logs = [result["differing"][index][0] for result in per_rank]
