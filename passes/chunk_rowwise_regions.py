@@ -24,7 +24,7 @@ import operator
 import torch
 
 from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_node, known_equal, new_fake_mode,
-                                  size_hint, stable_topological_sort)
+                                  same_size, size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head
@@ -200,7 +200,11 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
     outputs are the summands of `loss.totals`, the only outputs that keep a gradient."""
     graph = torch.fx.Graph()
     env, specs, input_nodes = {}, [], []
+    in_region = set(region.nodes)
     for node in region.inputs:
+        if isinstance(node.meta.get("val"), torch.SymInt) and all(
+                rowlocal.reads_only_as_shape(u, region.layouts) for u in node.users if u in in_region):
+            continue  # a size only views name (the row count of `[B, S]` when S varies): chunks need none
         if isinstance(node.meta.get("val"), torch.Tensor):
             specs.append(_input_spec(node, region.rows))
         elif isinstance(node.meta.get("val"), torch.SymFloat):
@@ -213,6 +217,9 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         input_nodes.append(node)
     if not any(s.role == WIDE for s in specs):
         raise RegionRejected("it reads no [rows, V] input")
+    for o in region.outputs[len(loss.totals) if loss is not None else 0:]:
+        for size in o.meta["val"].shape:  # the op's outputs take these sizes from the outer graph
+            _size_source(size, region.inputs)
     for node in region.nodes:
         env[node] = rowlocal.emit(graph, node, env, region.layouts)
         if node in region.detached and isinstance(node.meta.get("val"), torch.Tensor):
@@ -290,26 +297,41 @@ def _validate(module, inputs, outputs):
             raise RegionRejected(f"per-chunk output {tuple(out.shape)} {out.dtype} != (3, {spec.width}) {spec.dtype}")
 
 
-def _size_node(graph, size, input_nodes):
-    """An int, or a graph node computing a symbolic `size` from some input's dims."""
+def _size_source(size, nodes):
+    """Where the outer graph has `size`: an int; a symbolic size node among `nodes` (Dynamo's `s0`);
+    or (tensor node, first dim, stop dim) whose dims multiply to it. Else RegionRejected."""
     if isinstance(size, int):
         return size
-    for node in input_nodes:
-        if not isinstance(node.meta["val"], torch.Tensor):
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and same_size(val, size):
+            return node
+    for node in nodes:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         shape = node.meta["val"].shape
         for start in range(len(shape)):
             for stop in range(start + 1, len(shape) + 1):
                 if known_equal(math.prod(shape[start:stop]), size):
-                    dims = [graph.call_function(aten.sym_size.int, (node, d)) for d in range(start, stop)]
-                    for d, s in zip(dims, range(start, stop)):
-                        d.meta["val"] = shape[s]
-                    total = dims[0]
-                    for d in dims[1:]:
-                        total = graph.call_function(operator.mul, (total, d))
-                        total.meta["val"] = size
-                    return total
+                    return node, start, stop
     raise RegionRejected(f"cannot express output size {size} from the region's inputs")
+
+
+def _size_node(graph, size, nodes):
+    """An int, or a graph node computing a symbolic `size` (`_size_source`)."""
+    source = _size_source(size, nodes)
+    if not isinstance(source, tuple):
+        return source
+    node, start, stop = source
+    shape = node.meta["val"].shape
+    dims = [graph.call_function(aten.sym_size.int, (node, d)) for d in range(start, stop)]
+    for d, s in zip(dims, range(start, stop)):
+        d.meta["val"] = shape[s]
+    total = dims[0]
+    for d in dims[1:]:
+        total = graph.call_function(operator.mul, (total, d))
+        total.meta["val"] = size
+    return total
 
 
 def _replace(graph, site: _Site, replaced: dict):
@@ -320,7 +342,7 @@ def _replace(graph, site: _Site, replaced: dict):
     inside = set(region.nodes)
     per_row = region.outputs[len(loss.totals):] if loss is not None else region.outputs
     with graph.inserting_before(region.place.next):
-        sizes = [_size_node(graph, s, input_nodes) for o in per_row for s in o.meta["val"].shape]
+        sizes = [_size_node(graph, s, [*input_nodes, *region.inputs]) for o in per_row for s in o.meta["val"].shape]
         wide = input_nodes[program.wide_input_positions[0]].meta["val"]
         fake_mode = detect_fake_mode([wide])
         tensors = [n if isinstance(n.meta["val"], torch.Tensor) else float64_tensor_node(graph, n, fake_mode)

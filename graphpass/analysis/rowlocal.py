@@ -240,6 +240,14 @@ def check(node, rows, layouts: dict) -> str | None:
 
 
 
+def reads_only_as_shape(node, layouts: dict) -> bool:
+    """Whether `emit(node)` reads none of `node`'s size arguments: a view that keeps the row's
+    width is the chunk itself (`view(x, [B, S])` of `[B * S]` values), so a symbolic size it
+    names (Dynamo's `s0`) is no input of the per-chunk program."""
+    return node.target in _VIEWS and node.args[0] in layouts and node in layouts and \
+        known_equal(layouts[node.args[0]].width, layouts[node].width)
+
+
 # ---- canonical emission ------------------------------------------------------------------
 def emit(graph: torch.fx.Graph, node, env, layouts):
     """Append `node`'s canonical per-chunk form to `graph`; `env` maps old nodes to new ones."""

@@ -136,3 +136,35 @@ def test_grpo_trainer_default_path(tmp_path):
     _, inductor_params = _train("inductor", tmp_path)
     for p, e, i in zip(params, eager_params, inductor_params):
         assert (p - e).abs().max() <= max(2 * (i - e).abs().max(), 1e-6)
+
+
+def test_completion_lengths_that_vary_stay_fused(tmp_path):
+    """TRL's log-prob method at three completion lengths: from the second on, Dynamo makes the
+    sizes symbolic; that graph is rewritten too (an lm_head site in each), gradients as eager's."""
+    from bench.trl import ENTROPY_COEF
+
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer))
+    trainer = grpo_trainer(model, tokenizer, str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=16, gradient_checkpointing=False, bf16=False)
+    eager = trainer._get_per_token_logps_and_entropies
+    backend = graphpass.Backend()
+    compiled = torch.compile(eager, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    for completion in (6, 10, 8):
+        ids = torch.randint(2, len(tokenizer), (4, 4 + completion), generator=g)
+        mask = torch.ones_like(ids)
+        advantages = torch.randn(4, 1, generator=g)
+        grads = []
+        for fn in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            logps, entropies, _ = fn(model, ids, mask, completion, compute_entropy=True)
+            loss = -(advantages * (logps - logps.detach()).exp()).mean() - ENTROPY_COEF * entropies.mean()
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for ours, ref in zip(grads[1], grads[0]):
+            torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
+    assert len(backend.records) >= 2, "the second length compiles a graph with symbolic sizes"
+    for record in backend.records:
+        assert [s.lm_head for s in record.sites] == [True], record.rejected
