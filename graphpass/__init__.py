@@ -8,9 +8,9 @@ from graphpass import integrations
 from graphpass.backend import Backend
 from graphpass.config import Config
 from graphpass.inspection import explain
-from graphpass.records import Candidate, GraphRecord, OutputRecord, SiteRecord
+from graphpass.records import GraphRecord, OutputRecord, Rejection, SiteRecord
 
-__all__ = ["Backend", "Config", "explain", "GraphRecord", "SiteRecord", "OutputRecord", "Candidate"]
+__all__ = ["Backend", "Config", "explain", "GraphRecord", "SiteRecord", "OutputRecord", "Rejection"]
 __version__ = "0.1.0"
 
 # Library code Dynamo cannot trace as written (megatron-core's tensor-parallel linear layer) gets

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed
 
-from graphpass.ops.cp import cp_shard, cp_shifted_targets, cp_unshard
+from graphpass.ops.cp_shards import cp_shard, cp_shifted_targets, cp_unshard
 from graphpass.ops.groups import all_gather, group_name, rank_and_size
 
 __all__ = ["Layout", "rows_per_rank"]

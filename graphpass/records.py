@@ -97,8 +97,8 @@ class SiteRecord:
 
 
 @dataclasses.dataclass
-class Candidate:
-    """A log-softmax-like computation that was *not* rewritten, and why."""
+class Rejection:
+    """A region (or a library Function) the rewrite looked at and left as it was, and why."""
 
     source: str
     reason: str
@@ -129,7 +129,7 @@ class GraphRecord:
     index: int
     """Order of compilation within this backend, from 0."""
     sites: list[SiteRecord] = dataclasses.field(default_factory=list)
-    rejected: list[Candidate] = dataclasses.field(default_factory=list)
+    rejected: list[Rejection] = dataclasses.field(default_factory=list)
     fallback_reason: str | None = None
     """Set when the whole rewrite failed and the graph ran unchanged."""
     collectives: list[CollectiveRecord] = dataclasses.field(default_factory=list)

@@ -33,7 +33,7 @@ from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
 from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.ops.lm_head import HeadSpec, LinearHeadProgram
-from graphpass.records import Candidate, OutputRecord, SiteRecord
+from graphpass.records import OutputRecord, Rejection, SiteRecord
 
 log = logging.getLogger("graphpass")
 aten = torch.ops.aten
@@ -59,7 +59,7 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
         try:
             built[i] = _build_site(region, heads[i], config, modes, order, record, taken)
         except RegionRejected as e:
-            record.rejected.append(Candidate(source_of(region.anchor), str(e)))
+            record.rejected.append(Rejection(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
             continue
         if built[i].loss is not None:
@@ -154,7 +154,7 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
     for node in wide:
         head, why = match_lm_head(region, node, modes)
         if why is not None:
-            record.rejected.append(Candidate(source_of(node), f"lm_head not fused into the region at "
+            record.rejected.append(Rejection(source_of(node), f"lm_head not fused into the region at "
                                                               f"{source_of(region.anchor)}: {why}"))
         if head is None:
             continue
@@ -173,7 +173,7 @@ def _is_wide_input(region: Region, node) -> bool:
 
 
 def _keep_head(record, head: LmHead, why: str) -> None:
-    record.rejected.append(Candidate(source_of(head.logits), f"lm_head not fused: {why}"))
+    record.rejected.append(Rejection(source_of(head.logits), f"lm_head not fused: {why}"))
 
 
 def _input_spec(node, rows) -> InputSpec:

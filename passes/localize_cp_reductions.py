@@ -36,7 +36,7 @@ from graphpass.analysis.cp_rows import (RESHAPES, SCATTERS, SLICES, UNSHARD, Can
                                         per_sequence_alignment, plan_localization, reduced_dims, row_operand_ndim,
                                         scatter_index, scatter_source)
 from graphpass.analysis.regions import source_of
-from graphpass.ops.cp import sum_over_ranks_bytes
+from graphpass.ops.cp_shards import sum_over_ranks_bytes
 from graphpass.ops.groups import rank_and_size
 from graphpass.records import CollectiveRecord, CpRecord
 

@@ -45,7 +45,7 @@ from graphpass.capture import CantCapture, capture, hop_of, written_inputs
 from graphpass.lint import _INPLACE_ALL_REDUCE_FRAMES as INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
-from graphpass.records import Candidate, CollectiveRecord, OutputRecord, SiteRecord
+from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord
 
 # The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
 from .chunk_rowwise_regions import _add_gradient_carrier, _coefficients
@@ -68,11 +68,11 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
         match = _match_function(hop, stub)
         if isinstance(match, str):
             if match != NOT_PARALLEL:
-                record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {match}"))
+                record.rejected.append(Rejection(source_of(stub), f"vocab-parallel Function kept: {match}"))
             continue
         lost = _lost_write(gm.graph, stub, hop) if hop.mutates_inputs else None
         if lost is not None:
-            record.rejected.append(Candidate(source_of(stub), f"vocab-parallel Function kept: {lost}"))
+            record.rejected.append(Rejection(source_of(stub), f"vocab-parallel Function kept: {lost}"))
             continue
         built.append(_replace_function(gm.graph, stub, hop, match, config))
     built = _merge_same_logits(gm.graph, built, record)
@@ -186,7 +186,7 @@ def _merge_same_logits(graph: torch.fx.Graph, built: list, record) -> list:
             kept.append([site, op, False])
     for op, (other, why) in reasons.items():
         site = next(s for s, o in built if o is op)
-        record.rejected.append(Candidate(site.source, f"vocab-parallel op not merged with the one at {other.source} "
+        record.rejected.append(Rejection(site.source, f"vocab-parallel op not merged with the one at {other.source} "
                                                       f"over the same logits: {why}"))
     if any(m for _, _, m in kept):
         # The replaced ops' readers of the logits (an absorbed clone) go before the merged op
@@ -342,7 +342,7 @@ def _merge_inlined(graph: torch.fx.Graph, built: list, inlined: tuple, record) -
             built[index] = (merged_site, merged, may)
             return built
         if why is not _OTHER_LOGITS:
-            record.rejected.append(Candidate(site.source, f"vocab-parallel op not merged with the one at "
+            record.rejected.append(Rejection(site.source, f"vocab-parallel op not merged with the one at "
                                                           f"{other_site.source} over the same logits: {why}"))
     return [*built, inlined]
 
@@ -369,7 +369,7 @@ def _note_kept_division(op: torch.fx.Node, site: SiteRecord, record) -> None:
         return
     val = logits.meta.get("val")
     if isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16):
-        record.rejected.append(Candidate(source_of(logits), f"the division of {str(val.dtype).removeprefix('torch.')} "
+        record.rejected.append(Rejection(source_of(logits), f"the division of {str(val.dtype).removeprefix('torch.')} "
                                                             f"logits by {logits.args[1]:g} stays outside the "
                                                             f"vocab-parallel op at {site.source}: it rounds to "
                                                             f"{str(val.dtype).removeprefix('torch.')}, the op would "
@@ -402,7 +402,7 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
         head, why = None, "the matmul runs in another grad mode than the vocab-parallel op"
     if head is None:
         if why is not None:
-            record.rejected.append(Candidate(source_of(logits), f"lm_head not fused into the vocab-parallel op at "
+            record.rejected.append(Rejection(source_of(logits), f"lm_head not fused into the vocab-parallel op at "
                                                                 f"{site.source}: {why}"))
         site.lm_head_reason = why or not_computed_here(logits)
         return None
@@ -580,19 +580,19 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
         # Collectives that compute no log-prob or entropy are none of this pass's business.
         if match not in (NOT_PARALLEL, NO_LOGPROB):
             collective = next(gm.graph.find_nodes(op="call_function", target=_ALL_REDUCE))
-            record.rejected.append(Candidate(source_of(collective), f"vocab-parallel code kept: {match}"))
+            record.rejected.append(Rejection(source_of(collective), f"vocab-parallel code kept: {match}"))
         return None
     source = source_of(match.nodes[0])
     requires = requires_grad(gm, example_inputs)
     with_gradient = any(requires[n] for n in match.nodes)
     if with_gradient and values_without_gradient(gm, match, requires, _rank_and_size):
-        record.rejected.append(Candidate(source, "vocab-parallel code kept: part of its statistics is detached, "
+        record.rejected.append(Rejection(source, "vocab-parallel code kept: part of its statistics is detached, "
                                                  "so its gradient is not that of its values"))
         return None
     dead = _dead_after_replacing(gm.graph, match.nodes)
     collectives = [n for n in gm.graph.nodes if n.target in _COLLECTIVE_OPS]
     if any(n not in dead for n in collectives):
-        record.rejected.append(Candidate(source, "vocab-parallel code kept: its all-reduced values are read "
+        record.rejected.append(Rejection(source, "vocab-parallel code kept: its all-reduced values are read "
                                                  "by other code"))
         return None
     no_gradient = {i for i, n in enumerate(match.nodes) if not requires[n]}

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from graphpass.ops import chunked_op, devices, vocab_parallel
+from graphpass.ops import chunked_op, devices, vocab_parallel, vocab_parallel_lm_head
 
 T, H, V = 24, 8, 40
 # The Python entry points that read a tensor's value on the host (each waits for a device's
@@ -208,14 +208,15 @@ def test_vocab_parallel_op_has_no_host_sync_on_the_accelerator_path(head):
         if head:
             hidden = torch.empty(T, H, device="meta", dtype=torch.bfloat16)
             weight = torch.empty(V, H, device="meta", dtype=torch.bfloat16)
-            logits = vocab_parallel._HeadLogits(hidden, weight, None)
-            sink = vocab_parallel._HeadGradients(logits, hidden.shape, True, True, False)
+            logits = vocab_parallel.HeadLogits(hidden, weight, None)
+            sink = vocab_parallel_lm_head.HeadGradients(logits, hidden.shape, True, True, False)
         else:
             logits = torch.empty(T, V, device="meta")
             sink = lambda sl, chunk_grad: None  # noqa: E731
-        logprob, entropy, lse, _ = vocab_parallel._forward(logits, tokens, None, "", 0.7, True, None, 8, "eager")
-        vocab_parallel._backward_rows(logits, tokens, None, lse, None, entropy, grad, grad, "", 0.7, None, 8,
-                                      "eager", sink)
+        logprob, entropy, lse, _ = vocab_parallel.forward_statistics(logits, tokens, None, "", 0.7, True, None, 8,
+                                                                     "eager")
+        vocab_parallel.backward_rows(logits, tokens, None, lse, None, entropy, grad, grad, "", 0.7, None, 8,
+                                     "eager", sink)
     assert logprob.device.type == "meta" and counter.syncs == []
     if head:
         assert [g.device.type for g in sink.results()[:2]] == ["meta", "meta"]
@@ -281,7 +282,7 @@ def test_autocast_is_as_accurate_as_eager(inner):
 
 def test_cp_ops_have_no_host_sync_on_the_accelerator_path():
     """The CP ops' real bodies (shard, shifted targets, unshard, their backward) on meta tensors."""
-    from graphpass.ops import cp as cp_ops
+    from graphpass.ops import cp_shards as cp_ops
 
     x = torch.empty(T, V, device="meta")
     tokens = torch.randint(0, V, (T,)).to("meta")

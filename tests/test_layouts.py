@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from graphpass.ops.vocab_parallel import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
+from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
 
 S, B, V, H = 12, 3, 40, 8
 

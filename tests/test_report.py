@@ -10,7 +10,7 @@ import torch
 
 from graphpass import report
 from graphpass.memory import MemoryEstimate, PeakEstimate
-from graphpass.records import Candidate, CollectiveRecord, GraphRecord, OutputRecord, SiteRecord
+from graphpass.records import CollectiveRecord, GraphRecord, OutputRecord, Rejection, SiteRecord
 
 MiB = 2**20
 
@@ -27,7 +27,7 @@ def site(source="ppo_loss.py:25", keeps_entropy=False, chunk=1024):
 
 
 def one_site_graph(**kw):
-    record = GraphRecord(index=0, sites=[site()], rejected=[Candidate("other.py:9", "wide output escapes")])
+    record = GraphRecord(index=0, sites=[site()], rejected=[Rejection("other.py:9", "wide output escapes")])
     est = MemoryEstimate(before=peak(2560 * MiB), after=peak(300 * MiB))
     return report.build_graph_report(record, est, **kw)
 
@@ -50,7 +50,7 @@ def test_every_line_fits_100_columns():
                         shape=(131072, 75968), dtype=torch.bfloat16, chunk_size=None,
                         outputs=[OutputRecord("logprob", True)], tp_size=2, lm_head=True, gradients_in_forward=True,
                         collectives=[CollectiveRecord("all_gather", 2, 131072 * 5 * 4)]), site()]
-    record = GraphRecord(index=0, sites=sites, rejected=[Candidate("a_rather_long_module_name.py:77", "x " * 80)])
+    record = GraphRecord(index=0, sites=sites, rejected=[Rejection("a_rather_long_module_name.py:77", "x " * 80)])
     g = report.build_graph_report(record, MemoryEstimate(before=peak(900 * 2**30), after=peak(3 * 2**30)))
     text = report.render_text(report.Report([g], function="some/where/loss.py:loss",
                                             inputs={f"input_{i}": "131072x75968:bfloat16 (grad)" for i in range(6)}))

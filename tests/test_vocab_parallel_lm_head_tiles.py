@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from graphpass.ops import vocab_parallel as vp
+from graphpass.ops import vocab_parallel_lm_head as vp
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
 
 ROWS, H, V = 11, 6, 37
@@ -34,18 +34,18 @@ def _one_process():
 def paths(monkeypatch):
     """Counts of the backward's calls by tiles and by row blocks."""
     calls = {"tiles": 0, "rows": 0}
-    tiles, rows = vp._head_backward_by_tiles, vp._backward_rows
+    tiles, rows = vp._head_backward_by_tiles, vp.backward_rows
 
     def by_tiles(*args, **kwargs):
         calls["tiles"] += 1
         return tiles(*args, **kwargs)
 
     def by_rows(logits, *args, **kwargs):
-        calls["rows"] += isinstance(logits, vp._HeadLogits)
+        calls["rows"] += isinstance(logits, vp.HeadLogits)
         return rows(logits, *args, **kwargs)
 
     monkeypatch.setattr(vp, "_head_backward_by_tiles", by_tiles)
-    monkeypatch.setattr(vp, "_backward_rows", by_rows)
+    monkeypatch.setattr(vp, "backward_rows", by_rows)
     return calls
 
 

@@ -19,7 +19,7 @@ from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import edges_carrying_grad
 from graphpass.analysis.regions import source_of
-from graphpass.ops import cp as _cp_ops  # noqa: F401 - registers graphpass::cp_unshard
+from graphpass.ops import cp_shards  # noqa: F401 - registers graphpass::cp_unshard
 
 aten = torch.ops.aten
 

@@ -29,6 +29,10 @@ Anything the evaluator does not understand becomes a fresh logits leaf keyed by 
 always sound: an unknown tensor can only be mislabelled if a normalizer is applied to it, and
 then it *is* the logits. A leaf scaled by a scalar or a per-token ``[T, 1]`` tensor becomes a
 structural ``("scale", base, op, factor)`` key; that is where the temperature is read from.
+
+`analysis.vocab_parallel` extends the evaluator to a rank's share of sums over the vocabulary: it
+subclasses `Evaluator` and reuses its handlers (`HANDLERS`, `TRANSPARENT`, `h_sum`, `h_where`,
+`h_masked_fill`) and node helpers (`packet`, `behind_views`, `shape_of`, `classify`, `is_vocab_dim`).
 """
 
 from __future__ import annotations
@@ -159,7 +163,7 @@ def _split_row_logits(f) -> tuple[object, Lin] | None:
 # Small readers of nodes
 
 
-def _packet(node):
+def packet(node):
     """The aten overload packet of a call_function node (aten.gather for aten.gather.default)."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
@@ -175,12 +179,12 @@ def _arg(node: torch.fx.Node, i: int, name: str, default=None):
 
 
 
-def _shape(x) -> tuple | None:
+def shape_of(x) -> tuple | None:
     v = fake_value(x)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _is_vocab_dim(tensor_node, dim) -> bool:
+def is_vocab_dim(tensor_node, dim) -> bool:
     """True if `dim` (an int or a one-element list) is the last dimension of `tensor_node`."""
     if isinstance(dim, (list, tuple)):
         if len(dim) != 1:
@@ -190,7 +194,7 @@ def _is_vocab_dim(tensor_node, dim) -> bool:
         return False
     if dim == -1:
         return True
-    shape = _shape(tensor_node)
+    shape = shape_of(tensor_node)
     return shape is not None and dim == len(shape) - 1
 
 
@@ -200,13 +204,13 @@ def _broadcast_ok(node: torch.fx.Node, operands) -> bool:
     A narrow [T] value broadcast against [T, V] would run along V, not along the rows; only
     [T, 1] row constants (or same-shape operands) keep the algebra of row constants valid.
     """
-    out = _shape(node)
+    out = shape_of(node)
     if out is None:
         return False
     for x in operands:
         if not isinstance(x, torch.fx.Node):
             continue
-        s = _shape(x)
+        s = shape_of(x)
         if s is None:
             if isinstance(fake_value(x), torch.Tensor):
                 return False
@@ -231,7 +235,7 @@ def _scale_factor(x):
     if not isinstance(x, torch.fx.Node):
         return None
     val = fake_value(x)
-    if _packet(x) in _RUNTIME_SCALAR_PACKETS or isinstance(val, (torch.SymFloat, torch.SymInt, float, int)):
+    if packet(x) in _RUNTIME_SCALAR_PACKETS or isinstance(val, (torch.SymFloat, torch.SymInt, float, int)):
         return x
     if isinstance(val, torch.Tensor) and (val.dim() == 0 or (isinstance(val.shape[-1], int) and val.shape[-1] == 1)):
         return x  # a 0-d runtime scalar or a per-row [T, 1] temperature
@@ -260,7 +264,7 @@ def _factor_desc(op: str, factor) -> str:
 _VIEWS = catalogue.packets(catalogue.VIEWS)
 # Ops that change neither values nor layout (dtype casts change precision, not meaning).
 _CASTS = catalogue.packets(catalogue.CASTS)
-_TRANSPARENT = _VIEWS | _CASTS
+TRANSPARENT = _VIEWS | _CASTS
 
 
 def _broadcast_source(n: torch.fx.Node):
@@ -271,22 +275,22 @@ def _broadcast_source(n: torch.fx.Node):
     if n.op != "call_function" or n.target is not operator.getitem:
         return None
     bt, i = n.args
-    if _packet(bt) is not aten.broadcast_tensors or not isinstance(i, int):
+    if packet(bt) is not aten.broadcast_tensors or not isinstance(i, int):
         return None
     source = bt.args[0][i]
-    s_in, s_out = _shape(source), _shape(n)
+    s_in, s_out = shape_of(source), shape_of(n)
     return source if s_in is not None and s_out is not None and _torch_api.same_shape(s_in, s_out) else None
 
 
-def _behind_views(node):
+def behind_views(node):
     """`node` behind view, cast and copy wrappers (they change neither values nor meaning): an
     index tensor keys alike in x.gather(-1, t[:, None]) and CE(x, t)."""
-    while _packet(node) in _TRANSPARENT:
+    while packet(node) in TRANSPARENT:
         node = node.args[0]
     return node
 
 
-class _Evaluator:
+class Evaluator:
     """Evaluates nodes into normal forms (Lin or PW), memoised per node.
 
     `handlers` (by overload packet) and `eps` (the largest constant read as a guard against
@@ -311,7 +315,7 @@ class _Evaluator:
         source = _broadcast_source(n)
         if source is not None:
             return self(source)
-        p = _packet(n)
+        p = packet(n)
         handler = self.handlers.get(p)
         if handler is not None:
             out = handler(self, n)
@@ -346,7 +350,7 @@ class _Evaluator:
             return None if g is None else Exp(tuple(sorted(g.items(), key=repr)))
         if not isinstance(f, dict):
             return None
-        key = _behind_views(idx)
+        key = behind_views(idx)
         out: Lin = {}
         for a, k in f.items():
             # Row constants are the same at every vocabulary position, so gathering keeps them.
@@ -361,7 +365,7 @@ def _h_cast(ev, n):
 
 def _h_view(ev, n):
     f = ev(n.args[0])
-    in_shape, out_shape = _shape(n.args[0]), _shape(n)
+    in_shape, out_shape = shape_of(n.args[0]), shape_of(n)
     atoms = f.lin if isinstance(f, (PW, Exp)) else f
     wide = isinstance(f, PW) or any(a[0] == "x" for a in atoms)
     if not wide:
@@ -470,21 +474,21 @@ def _h_div(ev, n):
 
 
 def _h_log_softmax(ev, n):
-    if not _is_vocab_dim(n.args[0], n.args[1]):
+    if not is_vocab_dim(n.args[0], n.args[1]):
         return None
     L, _ = ev.normalizer_input(n.args[0])
     return {("x", L): 1.0, ("lse", L): -1.0}
 
 
 def _h_softmax(ev, n):
-    if not _is_vocab_dim(n.args[0], n.args[1]):
+    if not is_vocab_dim(n.args[0], n.args[1]):
         return None
     L, _ = ev.normalizer_input(n.args[0])
     return _pw(L, _const(1.0))
 
 
 def _h_logsumexp(ev, n):
-    if not _is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
+    if not is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
         return None
     L, row_consts = ev.normalizer_input(n.args[0])
     # logsumexp(x + c) = logsumexp(x) + c for a row constant c.
@@ -493,20 +497,20 @@ def _h_logsumexp(ev, n):
 
 def _h_gather(ev, n):
     src, dim, idx = n.args[0], n.args[1], n.args[2]
-    if not _is_vocab_dim(src, dim) or _shape(idx) is None or _shape(idx)[-1] != 1:
+    if not is_vocab_dim(src, dim) or shape_of(idx) is None or shape_of(idx)[-1] != 1:
         return None
     return ev.gathered(src, idx)
 
 
 def _h_take_along_dim(ev, n):
     src, idx, dim = n.args[0], n.args[1], _arg(n, 2, "dim")
-    if dim is None or not _is_vocab_dim(src, dim) or _shape(idx) is None or _shape(idx)[-1] != 1:
+    if dim is None or not is_vocab_dim(src, dim) or shape_of(idx) is None or shape_of(idx)[-1] != 1:
         return None
     return ev.gathered(src, idx)
 
 
-def _h_sum(ev, n):
-    if not _is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
+def h_sum(ev, n):
+    if not is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
         return None
     f = ev(n.args[0])
     if isinstance(f, Exp):  # sum_v exp(x_v + c) = exp(lse + c) for row constants c
@@ -556,7 +560,7 @@ def _h_clamp(ev, n):
     return ev(n.args[0])
 
 
-def _h_masked_fill(ev, n):
+def h_masked_fill(ev, n):
     base = _pure_leaf(ev(n.args[0]))
     if base is None:
         return None
@@ -564,12 +568,12 @@ def _h_masked_fill(ev, n):
     return _leaf(("mask", base, n))
 
 
-def _h_where(ev, n):
+def h_where(ev, n):
     a, b = n.args[1], n.args[2]  # the condition: any per-element mask
     for data, fill in ((a, b), (b, a)):
         base = _pure_leaf(ev(data)) if isinstance(data, torch.fx.Node) else None
         if base is not None and _scale_factor(fill) is not None and \
-                _torch_api.same_shape(_shape(data) or (), _shape(n) or (None,)):
+                _torch_api.same_shape(shape_of(data) or (), shape_of(n) or (None,)):
             return _leaf(("mask", base, n))
     return None
 
@@ -580,12 +584,12 @@ def _class_dim_form(ev, x):
     2-D input already has V last. For [B, V, S] input the transpose that moved V to dim 1 is
     undone, through the casts and scalar scalings (`x.transpose(1, 2) / 0.7`) applied after it.
     """
-    shape = _shape(x)
+    shape = shape_of(x)
     if shape is None or len(shape) < 2:
         return None
     if len(shape) == 2:
         return ev(x)
-    p = _packet(x)
+    p = packet(x)
     if p is aten.transpose:
         d0, d1 = sorted(d % len(shape) for d in x.args[1:3])
         return ev(x.args[0]) if (d0, d1) == (1, len(shape) - 1) else None
@@ -604,7 +608,7 @@ def _h_cross_entropy(ev, n):
     if weight is not None or reduction != 0 or smoothing != 0.0 or f is None:
         return None
     L, _ = ev.normalizer_input(n.args[0], f)
-    return {("gather", L, _behind_views(n.args[1])): -1.0, ("lse", L): 1.0}
+    return {("gather", L, behind_views(n.args[1])): -1.0, ("lse", L): 1.0}
 
 
 def _h_nll_loss(ev, n):
@@ -616,7 +620,7 @@ def _h_nll_loss(ev, n):
     return None if g is None else _scale(g, -1.0)
 
 
-_HANDLERS = {
+HANDLERS = {
     **{p: _h_cast for p in _CASTS},
     **{p: _h_view for p in _VIEWS},
     aten.neg: _h_neg,
@@ -634,21 +638,21 @@ _HANDLERS = {
     aten.logsumexp: _h_logsumexp,
     aten.gather: _h_gather,
     aten.take_along_dim: _h_take_along_dim,
-    aten.sum: _h_sum,
+    aten.sum: h_sum,
     aten.exp: _h_exp,
     aten.log: _h_log,
     aten.special_entr: _h_entr,
     aten.clamp: _h_clamp,
     aten.clamp_min: _h_clamp,
-    aten.masked_fill: _h_masked_fill,
-    aten.where: _h_where,
+    aten.masked_fill: h_masked_fill,
+    aten.where: h_where,
     aten.cross_entropy_loss: _h_cross_entropy,
     aten.nll_loss_nd: _h_nll_loss,
     aten.nll_loss: _h_nll_loss,
 }
 
 
-_Evaluator.handlers = _HANDLERS
+Evaluator.handlers = HANDLERS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,7 +669,7 @@ def _temperature(key) -> str | None:
     return " ".join(reversed(parts)) or None
 
 
-def _classify(f) -> OutputLabel:
+def classify(f) -> OutputLabel:
     """Match a normal form against the log-prob and entropy forms and their negations."""
     label = _classify_positive(f)
     if label.kind == ROWWISE and isinstance(f, dict):
@@ -692,13 +696,13 @@ def _classify_positive(f) -> OutputLabel:
 
 def _cat_parts(node: torch.fx.Node) -> list | None:
     """The parts of a row-wise concatenation of narrow outputs (a chunk loop Dynamo unrolled)."""
-    while _packet(node) in _TRANSPARENT and _packet(node) is not aten.expand:
+    while packet(node) in TRANSPARENT and packet(node) is not aten.expand:
         node = node.args[0]
-    if _packet(node) is not aten.cat:
+    if packet(node) is not aten.cat:
         return None
     parts, dim = node.args[0], _arg(node, 1, "dim", 0)
-    shape = _shape(node)
-    if shape is None or (len(shape) > 1 and _is_vocab_dim(node, dim)):
+    shape = shape_of(node)
+    if shape is None or (len(shape) > 1 and is_vocab_dim(node, dim)):
         return None
     return list(parts)
 
@@ -709,4 +713,4 @@ def label_output(node: torch.fx.Node) -> OutputLabel:
     if parts:
         labels = {label_output(p) for p in parts}
         return labels.pop() if len(labels) == 1 else OutputLabel(ROWWISE)
-    return _classify(_Evaluator()(node))
+    return classify(Evaluator()(node))

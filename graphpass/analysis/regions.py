@@ -24,7 +24,7 @@ from graphpass.analysis import catalogue, rowlocal
 from graphpass._torch_api import known_equal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
 from graphpass.fx_utils import target_name
-from graphpass.records import Candidate
+from graphpass.records import Rejection
 
 aten = torch.ops.aten
 
@@ -192,7 +192,7 @@ class _Grower:
                     changed = True
 
 
-def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Candidate]]:
+def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Rejection]]:
     """All row-local regions of `gm`, plus the anchors that could not start one and why."""
     modes = grad_modes(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -209,7 +209,7 @@ def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Candidate
         if why is None:
             why = _finish(grower, order, regions)
         if why is not None:
-            rejected.append(Candidate(source_of(node), f"{target_name(node)}: {why}"))
+            rejected.append(Rejection(source_of(node), f"{target_name(node)}: {why}"))
     return regions, rejected
 
 

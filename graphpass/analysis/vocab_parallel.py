@@ -85,7 +85,7 @@ def _constant(gm, x):
     """The Python number `x` stands for (a number, or a lifted 0-d constant tensor), else None."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return x
-    x = recognize._behind_views(x) if isinstance(x, torch.fx.Node) else x
+    x = recognize.behind_views(x) if isinstance(x, torch.fx.Node) else x
     if isinstance(x, torch.fx.Node) and x.op == "get_attr":
         value = getattr(gm, x.target, None)
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not _torch_api.is_fake(value):
@@ -93,7 +93,7 @@ def _constant(gm, x):
     return None
 
 
-class _ShardEvaluator(recognize._Evaluator):
+class _ShardEvaluator(recognize.Evaluator):
     """`recognize`'s evaluator for a forward that holds one slice of the vocabulary (module doc)."""
 
     eps = 0.0  # exact: this recognition replaces code, it does not only label it
@@ -106,7 +106,7 @@ class _ShardEvaluator(recognize._Evaluator):
     def _eval(self, n):
         # The forms of `recognize` do not know shares: an op that is not written for them and
         # reads one computes something this evaluator does not understand.
-        if recognize._packet(n) not in _SHARE_AWARE and \
+        if recognize.packet(n) not in _SHARE_AWARE and \
                 any(isinstance(self(a), (_Partial, _Owned)) for a in n.all_input_nodes):
             return self.unknown(n)
         return super()._eval(n)
@@ -116,7 +116,7 @@ class _ShardEvaluator(recognize._Evaluator):
         """Nodes computed from all-reduce results and constants alone: the same on every rank."""
         same = set()
         for node in graph.nodes:
-            if node.op == "get_attr" or recognize._packet(node) is _COLLECTIVES.all_reduce:
+            if node.op == "get_attr" or recognize.packet(node) is _COLLECTIVES.all_reduce:
                 same.add(node)
             elif node.op == "call_function":
                 # `expand_as(x, like)` reads only the shape of `like`.
@@ -159,16 +159,16 @@ class _ShardEvaluator(recognize._Evaluator):
     # -- the ownership pattern -------------------------------------------------------------
     def ownership_mask(self, node):
         """The target `t` if `node` is `(t < s) | (t >= e)` for this rank's columns [s, e), else None."""
-        node = recognize._behind_views(node)
-        if recognize._packet(node) not in _OR:
+        node = recognize.behind_views(node)
+        if recognize.packet(node) not in _OR:
             return None
-        below, above = (recognize._behind_views(a) for a in node.args[:2])
-        if recognize._packet(below) is aten.ge:
+        below, above = (recognize.behind_views(a) for a in node.args[:2])
+        if recognize.packet(below) is aten.ge:
             below, above = above, below
-        if recognize._packet(below) is not aten.lt or recognize._packet(above) is not aten.ge:
+        if recognize.packet(below) is not aten.lt or recognize.packet(above) is not aten.ge:
             return None
-        t = recognize._behind_views(below.args[0])
-        if recognize._behind_views(above.args[0]) is not t or t.op != "placeholder":
+        t = recognize.behind_views(below.args[0])
+        if recognize.behind_views(above.args[0]) is not t or t.op != "placeholder":
             return None
         if _constant(self.gm, below.args[1]) != self.first_column or \
                 _constant(self.gm, above.args[1]) != self.first_column + self.width:
@@ -177,7 +177,7 @@ class _ShardEvaluator(recognize._Evaluator):
 
     def _zero_where_mask(self, node):
         """(value, target) if `node` sets `value` to 0 where the target is not this rank's, else None."""
-        p = recognize._packet(node)
+        p = recognize.packet(node)
         if p is aten.index_put and len(node.args[1]) == 1 and _constant(self.gm, node.args[2]) == 0:
             value, mask = node.args[0], node.args[1][0]
         elif p is aten.masked_fill and _constant(self.gm, node.args[2]) == 0:
@@ -193,12 +193,12 @@ class _ShardEvaluator(recognize._Evaluator):
 
     def local_index(self, node):
         """The target `t` if `node` is this rank's column of `t`, 0 where it does not own `t`."""
-        found = self._zero_where_mask(recognize._behind_views(node))
+        found = self._zero_where_mask(recognize.behind_views(node))
         if found is None:
             return None
         shifted, t = found
-        shifted = recognize._behind_views(shifted)
-        if recognize._packet(shifted) is not aten.sub or recognize._behind_views(shifted.args[0]) is not t or \
+        shifted = recognize.behind_views(shifted)
+        if recognize.packet(shifted) is not aten.sub or recognize.behind_views(shifted.args[0]) is not t or \
                 _constant(self.gm, shifted.args[1]) != self.first_column or len(shifted.args) > 2:
             return None
         return t
@@ -230,21 +230,21 @@ def _passes_shares(base):
 
 def _select_unit(ev, n):
     """`x[:, 0]` of a `[T, 1]` value: the same values, one dim fewer (a view)."""
-    shape = recognize._shape(n.args[0])
+    shape = recognize.shape_of(n.args[0])
     if shape is None or not _torch_api.same_size(shape[n.args[1]], 1):
         return None
     return ev(n.args[0])
 
 
 def _local_sum(ev, n):
-    f = recognize._h_sum(ev, n)
+    f = recognize.h_sum(ev, n)
     return None if f is None else _Partial(f)
 
 
 def _index(ev, n):
     """`x[arange(rows), local_index(t)]`: the target's logit where this rank owns it."""
     src, indices = n.args[0], n.args[1]
-    shape = recognize._shape(src)
+    shape = recognize.shape_of(src)
     if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
         return None
     rows, columns = indices
@@ -255,7 +255,7 @@ def _index(ev, n):
 
 def _arange(node):
     """(start, end, step) of an `arange` node, else None."""
-    if recognize._packet(node) is not aten.arange:
+    if recognize.packet(node) is not aten.arange:
         return None
     args = list(node.args)
     if len(args) == 1:
@@ -267,7 +267,7 @@ def _arange(node):
 
 def _gather(ev, n):
     src, dim, idx = n.args[:3]
-    if not recognize._is_vocab_dim(src, dim):
+    if not recognize.is_vocab_dim(src, dim):
         return None
     return _owned_gather(ev, src, idx)
 
@@ -295,11 +295,11 @@ def _not_understood(ev, n):
     return None
 
 
-_SHARE_AWARE = recognize._TRANSPARENT | {aten.select, aten.index_put, aten.masked_fill, aten.where,
+_SHARE_AWARE = recognize.TRANSPARENT | {aten.select, aten.index_put, aten.masked_fill, aten.where,
                                           _COLLECTIVES.all_reduce, _COLLECTIVES.wait_tensor}
 _SHARD_HANDLERS = {
-    **{p: _passes_shares(h) for p, h in recognize._HANDLERS.items() if p in recognize._TRANSPARENT},
-    **{p: h for p, h in recognize._HANDLERS.items() if p not in recognize._TRANSPARENT},
+    **{p: _passes_shares(h) for p, h in recognize.HANDLERS.items() if p in recognize.TRANSPARENT},
+    **{p: h for p, h in recognize.HANDLERS.items() if p not in recognize.TRANSPARENT},
     # On one slice these normalise, gather or reduce over the slice alone.
     **{p: _not_understood for p in (aten.log_softmax, aten._log_softmax, aten.softmax, aten._softmax,
                                     aten.logsumexp, aten.take_along_dim, aten.cross_entropy_loss,
@@ -309,8 +309,8 @@ _SHARD_HANDLERS = {
     aten.gather: _gather,
     aten.index: _index,
     aten.index_put: _zeroed,
-    aten.masked_fill: lambda ev, n: _zeroed(ev, n) or recognize._h_masked_fill(ev, n),
-    aten.where: lambda ev, n: _zeroed(ev, n) or recognize._h_where(ev, n),
+    aten.masked_fill: lambda ev, n: _zeroed(ev, n) or recognize.h_masked_fill(ev, n),
+    aten.where: lambda ev, n: _zeroed(ev, n) or recognize.h_where(ev, n),
     _COLLECTIVES.all_reduce: _all_reduce,
     _COLLECTIVES.wait_tensor: _wait,
 }
@@ -332,7 +332,7 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     if isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() == 0:
         return EMPTY, None, None  # no values, no gradient: what it was computed from does not matter
     form = ev(node)
-    label: OutputLabel = recognize._classify(form)
+    label: OutputLabel = recognize.classify(form)
     if label.kind == recognize.ROWWISE:
         return f"output {node.name} is not a log-prob or an entropy of the vocabulary-split logits"
     atoms = [a for a in form if a[0] in ("lse", "gather")]
@@ -345,7 +345,7 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
 
 def _group(gm) -> tuple[str, list] | str:
     """(the one group the graph's all-reduces use, its SUM all-reduces), or why not one."""
-    reduces = [n for n in gm.graph.nodes if recognize._packet(n) is _COLLECTIVES.all_reduce]
+    reduces = [n for n in gm.graph.nodes if recognize.packet(n) is _COLLECTIVES.all_reduce]
     if not reduces:
         return NOT_PARALLEL
     group_names = {n.args[2] for n in reduces}
@@ -462,7 +462,7 @@ def _labelled(ev, node) -> bool:
     if not isinstance(fake_value(node), torch.Tensor):
         return False
     try:
-        return recognize._classify(ev(node)).kind != recognize.ROWWISE
+        return recognize.classify(ev(node)).kind != recognize.ROWWISE
     except Exception:  # noqa: BLE001 - a node the evaluator cannot read is simply not labelled
         return False
 

@@ -17,15 +17,8 @@ The collectives a call issues depend only on shapes and configuration (dtype, ke
 or not, with_entropy), never on values, requires_grad or grad mode, so ranks cannot disagree
 (slime #2123 hung on exactly that). A group of size one issues none.
 
-`vocab_parallel_lm_head_logprob_entropy(hidden, weight, target, group, bias=...)` is the same op
-with the lm_head inside: each chunk's logits are `hidden_c @ W_r.T (+ b_r)` from this rank's weight
-(and bias) shard, in chunks of rows up to half the floor (`block_rows`), recomputed in backward;
-the `[*, V/tp]` logits and their gradient never exist. The backward, where the weight needs a
-gradient (no keep_mask, on the CPU), goes a vocabulary tile of `W_r` at a time
-(`_head_backward_by_tiles`): the tile's logits for all rows, their gradient written over them,
-`dW[tile]` complete in one GEMM and `dhidden += dl @ W[tile]` (this rank's partial, as autograd of
-`F.linear` gives); else row chunks write `hidden.grad` rows and accumulate the weight's and bias's
-gradients in fp32. The same one collective, none in backward.
+The op with the lm_head inside is in `vocab_parallel_lm_head.py`; the differentiable all-reduce
+the vocab-parallel code needs in `collectives.py`.
 """
 
 from __future__ import annotations
@@ -62,10 +55,10 @@ def _stat_columns(with_entropy: bool, masked: bool) -> int:
 
 def collective_bytes(rows: int, dtype: torch.dtype, with_entropy: bool, masked: bool) -> int:
     """Bytes one rank contributes to the call's all-gather, for `rows` rows of `dtype` logits."""
-    return rows * _stat_columns(with_entropy, masked) * _compute_dtype(dtype).itemsize
+    return rows * _stat_columns(with_entropy, masked) * compute_dtype(dtype).itemsize
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 logits are computed (and returned) in float64; every other float dtype in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -88,8 +81,8 @@ def _row_blocks(logits: torch.Tensor):
 
 
 def _row_chunks(logits, chunk_size: int):
-    """`_chunks` of a logits tensor, or the chunks a `_HeadLogits` computes."""
-    if isinstance(logits, _HeadLogits):
+    """`_chunks` of a logits tensor, or the chunks a `HeadLogits` computes."""
+    if isinstance(logits, HeadLogits):
         return logits.chunks(chunk_size)
     return _chunks(logits, chunk_size)
 
@@ -154,7 +147,7 @@ def _shifted_moment(z, e):
 def _chunk_stats(piece, temperature: float, with_entropy: bool):
     """`[2 or 3, r]`: each row's max, sum of exp about it and (entropy) shifted first moment; the
     owned targets' logits are read by the caller (a gather, not worth a kernel)."""
-    x = _scaled(piece, temperature, _compute_dtype(piece.dtype))
+    x = _scaled(piece, temperature, compute_dtype(piece.dtype))
     m, s, z, e = _max_and_sum_exp(x)
     if not with_entropy:
         return torch.stack([m, s])
@@ -163,7 +156,7 @@ def _chunk_stats(piece, temperature: float, with_entropy: bool):
 
 def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
     """One chunk of the logits' gradient, in their dtype (see `_backward`); `[r, 1]` row operands."""
-    x = _scaled(piece, temperature, _compute_dtype(piece.dtype))
+    x = _scaled(piece, temperature, compute_dtype(piece.dtype))
     z = x - lse
     p = z.exp()
     out = torch.zeros_like(x)
@@ -178,7 +171,7 @@ def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temper
     return out.to(piece.dtype)
 
 
-def _chunk_grad_(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
+def chunk_grad_(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
     """`_chunk_grad` written over `piece` (its logits are read, then replaced by their gradient):
     one pass, no chunk-sized output. `local_target` may be shifted by a tile's first column."""
     piece.copy_(_chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature))
@@ -187,7 +180,7 @@ def _chunk_grad_(piece, lse, g_lp, g_target, local_target, entropy, g_ent, tempe
 _KERNELS: dict = {}
 
 
-def _kernel(fn, kernels: str):
+def compiled_kernel(fn, kernels: str):
     """`fn` as run eagerly ("eager") or compiled by inductor ("inductor"), dynamic in the rows."""
     if kernels != "inductor":
         return fn
@@ -265,14 +258,14 @@ def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None)
     return local.clamp(0, max(0, vocab - 1)), owned, ignored
 
 
-def _forward(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
+def forward_statistics(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
              ignore_index: int | None, chunk_size: int, kernels: str):
-    """The op's forward over `logits`, a `[*, Vl]` tensor or a `_HeadLogits` (computed chunk by chunk)."""
+    """The op's forward over `logits`, a `[*, Vl]` tensor or a `HeadLogits` (computed chunk by chunk)."""
     group, rank, size = rank_and_size(group_name)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     rows = math.prod(lead)
-    dtype = _compute_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype)
     masked = keep_mask is not None
     columns = _stat_columns(with_entropy, masked)
     target_flat = target.reshape(rows)
@@ -298,7 +291,7 @@ def _forward(logits, target, keep_mask, group_name: str, temperature: float, wit
                     stats[sl, _FULL_M], stats[sl, _FULL_S], stats[sl, _A] = m, s, _shifted_moment(z, e)
                 del x
             else:
-                row_stats = _kernel(_chunk_stats, kernels)(piece, temperature, with_entropy)
+                row_stats = compiled_kernel(_chunk_stats, kernels)(piece, temperature, with_entropy)
                 stats[sl, _M], stats[sl, _S] = row_stats[0], row_stats[1]
                 if with_entropy:
                     stats[sl, _A] = row_stats[2]
@@ -326,12 +319,12 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
     def write(sl, chunk_grad):
         grad[sl] = chunk_grad
 
-    _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
+    backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
                    temperature, ignore_index, chunk_size, kernels, write)
     return grad.view(logits.shape)
 
 
-class _GradRows:
+class GradRows:
     """The row operands of the unmasked gradient kernel (`_chunk_grad`) for all rows, computed once:
     `[rows, 1]` columns, None where the log-prob's (or the entropy's) gradient is absent or known
     zero (`known_zero`: no entropy recompute for an entropy returned only for logging)."""
@@ -359,14 +352,14 @@ class _GradRows:
                 self._rows(self.entropy, sl), self._rows(self.g_ent, sl))
 
 
-def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
+def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
                    temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink) -> None:
     """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows in order;
-    `logits`: a `[*, Vl]` tensor or a `_HeadLogits`. No collective."""
+    `logits`: a `[*, Vl]` tensor or a `HeadLogits`. No collective."""
     _, rank, _ = rank_and_size(group_name)
     vocab = logits.shape[-1]
     rows = math.prod(logits.shape[:-1])
-    dtype = _compute_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype)
     masked = keep_mask is not None
     local_target, owned, ignored = _local_targets(target.reshape(rows), rank, vocab, ignore_index)
     keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
@@ -383,9 +376,9 @@ def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_lo
     chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
     if not masked:
         entropy_rows = entropy.reshape(-1)
-        # A chunk a `_HeadLogits` computed is a temporary: its gradient takes its place.
-        in_place = isinstance(logits, _HeadLogits)
-        kernel = _kernel(_chunk_grad_ if in_place else _chunk_grad, kernels)
+        # A chunk a `HeadLogits` computed is a temporary: its gradient takes its place.
+        in_place = isinstance(logits, HeadLogits)
+        kernel = compiled_kernel(chunk_grad_ if in_place else _chunk_grad, kernels)
         for sl, piece in _row_chunks(logits, chunk):
             grad = kernel(piece, lse_lp[sl, None],
                           None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
@@ -416,6 +409,45 @@ def _backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_lo
         del x, out
 
 
+# ---- logits computed from the hidden states (the lm_head op's, `vocab_parallel_lm_head.py`) ------
+class HeadLogits:
+    """This rank's `[*, Vl]` logits as `hidden @ W_r.T (+ b_r)`, never stored: `chunks` computes
+    each chunk's rows from the hidden states' (what `_forward` and `backward_rows` read instead of
+    a logits tensor)."""
+
+    def __init__(self, hidden, weight, bias):
+        lead = hidden.shape[:-1]
+        self.hidden = hidden.reshape(math.prod(lead), hidden.shape[-1])  # a view where hidden allows one
+        self.weight, self.bias = weight, bias
+        self.shape = torch.Size((*lead, weight.shape[0]))
+        self.dtype, self.device = hidden.dtype, hidden.device
+
+    def new_empty(self, *args, **kwargs):
+        return self.hidden.new_empty(*args, **kwargs)
+
+    def logits(self, sl, out=None):
+        """The logits of rows `sl`, `[r, Vl]`, as autograd of `F.linear(hidden, W, b)` computes them
+        (into `out` when given)."""
+        h = self.hidden[sl]
+        if self.bias is None:
+            return torch.mm(h, self.weight.t(), out=out)
+        return torch.addmm(self.bias, h, self.weight.t(), out=out)
+
+    def chunks(self, chunk_size: int):
+        rows = self.hidden.shape[0]
+        for start in range(0, rows, chunk_size):
+            sl = slice(start, min(rows, start + chunk_size))
+            yield sl, self.logits(sl)
+
+
+def fake_outputs(like, lead, with_entropy: bool, masked: bool):
+    dtype = compute_dtype(like.dtype)
+    rows = math.prod(lead)
+    entropy = like.new_empty(lead if with_entropy else (0,), dtype=dtype)
+    lse_full = like.new_empty((rows,) if with_entropy and masked else (0,), dtype=dtype)
+    return like.new_empty(lead, dtype=dtype), entropy, like.new_empty((rows,), dtype=dtype), lse_full
+
+
 # ---- custom ops ----------------------------------------------------------------------------------
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=(),
                         tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
@@ -423,13 +455,13 @@ def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: to
                        temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
                        chunk_size: int, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0])."""
-    return _forward(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size, kernels)
+    return forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size, kernels)
 
 
 @_vocab_parallel_op.register_fake
 def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
       kernels):
-    return _fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
+    return fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
 
 
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy_backward", mutates_args=(),
@@ -479,329 +511,6 @@ def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_
 
 
 _vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_context)
-
-
-# ---- the backward of a differentiable all-reduce ----------------------------------------------------
-@torch.library.custom_op("graphpass::sum_grads_over_group", mutates_args=())
-def sum_grads_over_group(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """`x`; in backward, its gradient summed over the ranks of the group: the gradient code written
-    with differentiable all-reduces gets (each rank's loss counts on every rank), for values the
-    vocab-parallel op computes in their place."""
-    return x.clone()
-
-
-@sum_grads_over_group.register_fake
-def _(x, group_name):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("graphpass::all_reduce_sum", mutates_args=())
-def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum of `x` over the ranks of the group (one all-reduce; none for a group of one)."""
-    group, _, size = rank_and_size(group_name)
-    out = x.contiguous().clone()
-    if size > 1:
-        torch.distributed.all_reduce(out, group=group)
-    return out
-
-
-@_all_reduce_sum.register_fake
-def _(x, group_name):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _sum_grads_setup(ctx, inputs, output):
-    ctx.group_name = inputs[1]
-
-
-def _sum_grads_backward(ctx, grad):
-    return _all_reduce_sum(grad, ctx.group_name), None
-
-
-sum_grads_over_group.register_autograd(_sum_grads_backward, setup_context=_sum_grads_setup)
-
-
-# ---- the lm_head inside: logits = hidden @ W.T (+ bias), chunk by chunk ------------------------------
-# The lm_head ops' one large temporary, a block of rows (or a vocabulary tile) of logits overwritten
-# by their gradient, takes at most this share of their floor (the hidden states' and the weight's
-# gradients). In `vocab_parallel_lm_head_with_gradients` each block costs one all-gather, a
-# synchronisation of the ranks (on a loaded CPU far dearer than its bytes): the blocks are as few
-# as the share allows, of even size, in whole GEMM panels of rows.
-_FLOOR_SHARE = 1 / 2
-_PANEL = 32
-
-
-def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
-    """Rows per block: `chunk_size` (> 0), else the fewest blocks of `[block, vocab]` within the
-    floor's share, split evenly and rounded up to whole panels where that still fits (else whole
-    panels that fit)."""
-    if chunk_size > 0:
-        return max(1, min(chunk_size, rows))
-    floor = (rows + vocab) * hidden_size * itemsize
-    limit = max(1, int(floor * _FLOOR_SHARE // (vocab * itemsize)))
-    if limit >= rows:
-        return max(1, rows)
-    block = -(-rows // -(-rows // limit))
-    panels = _PANEL * -(-block // _PANEL)
-    if panels <= limit:
-        return panels
-    return _PANEL * (limit // _PANEL) if limit >= _PANEL else block
-
-
-class _HeadLogits:
-    """This rank's `[*, Vl]` logits as `hidden @ W_r.T (+ b_r)`, never stored: `chunks` computes
-    each chunk's rows from the hidden states' (what `_forward` and `_backward_rows` read instead of
-    a logits tensor)."""
-
-    def __init__(self, hidden, weight, bias):
-        lead = hidden.shape[:-1]
-        self.hidden = hidden.reshape(math.prod(lead), hidden.shape[-1])  # a view where hidden allows one
-        self.weight, self.bias = weight, bias
-        self.shape = torch.Size((*lead, weight.shape[0]))
-        self.dtype, self.device = hidden.dtype, hidden.device
-
-    def new_empty(self, *args, **kwargs):
-        return self.hidden.new_empty(*args, **kwargs)
-
-    def logits(self, sl, out=None):
-        """The logits of rows `sl`, `[r, Vl]`, as autograd of `F.linear(hidden, W, b)` computes them
-        (into `out` when given)."""
-        h = self.hidden[sl]
-        if self.bias is None:
-            return torch.mm(h, self.weight.t(), out=out)
-        return torch.addmm(self.bias, h, self.weight.t(), out=out)
-
-    def chunks(self, chunk_size: int):
-        rows = self.hidden.shape[0]
-        for start in range(0, rows, chunk_size):
-            sl = slice(start, min(rows, start + chunk_size))
-            yield sl, self.logits(sl)
-
-
-class _HeadGradients:
-    """The sink of `_backward_rows` for `_HeadLogits`: each chunk's dlogits `dl` (the logits' dtype)
-    gives `dhidden[rows] = dl @ W_r` (this rank's partial; the caller's TP region sums it, as for
-    `F.linear` on this rank) and `dW += dl.T @ h`, `db += dl.sum(0)` in fp32 (float64 stays float64)."""
-
-    def __init__(self, head: _HeadLogits, hidden_shape, need_hidden: bool, need_weight: bool, need_bias: bool):
-        self.head, self.hidden_shape = head, hidden_shape
-        hidden, weight, bias = head.hidden, head.weight, head.bias
-        self.acc = torch.promote_types(weight.dtype, torch.float32)
-        self.hidden_grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-        # The first chunk writes it (no zero fill of a [V/tp, H] buffer): see `results`.
-        self.weight_acc = torch.empty(weight.shape, dtype=self.acc, device=weight.device) if need_weight else None
-        self.weight_written = False
-        self.bias_acc = None
-        if need_bias and bias is not None:
-            self.bias_acc = torch.zeros(bias.shape, dtype=self.acc, device=bias.device)
-
-    def __call__(self, sl, dl):
-        if self.hidden_grad is not None:
-            torch.mm(dl, self.head.weight, out=self.hidden_grad[sl])
-        if self.weight_acc is not None:
-            devices.mm_into(self.weight_acc, dl.t(), self.head.hidden[sl], accumulate=self.weight_written)
-            self.weight_written = True
-        if self.bias_acc is not None:
-            self.bias_acc += dl.sum(0, dtype=self.acc)
-
-    def results(self):
-        """(dhidden, dW, db), each `[0]` where not wanted (a custom op returns tensors, never None)."""
-        head = self.head
-        empty = head.hidden.new_empty
-        if self.weight_acc is not None and not self.weight_written:  # no rows
-            self.weight_acc.zero_()
-        return (empty((0,)) if self.hidden_grad is None else self.hidden_grad.view(self.hidden_shape),
-                empty((0,)) if self.weight_acc is None else self.weight_acc.to(head.weight.dtype),
-                empty((0,)) if self.bias_acc is None else self.bias_acc.to(head.bias.dtype))
-
-
-def _fake_outputs(like, lead, with_entropy: bool, masked: bool):
-    dtype = _compute_dtype(like.dtype)
-    rows = math.prod(lead)
-    entropy = like.new_empty(lead if with_entropy else (0,), dtype=dtype)
-    lse_full = like.new_empty((rows,) if with_entropy and masked else (0,), dtype=dtype)
-    return like.new_empty(lead, dtype=dtype), entropy, like.new_empty((rows,), dtype=dtype), lse_full
-
-
-@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy", mutates_args=(),
-                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
-def _vocab_parallel_head_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str, temperature: float,
-                            with_entropy: bool, entropy_grad: bool, ignore_index: int | None, chunk_size: int,
-                            kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`vocab_parallel_logprob_entropy` of the logits `hidden @ weight.T (+ bias)` (this rank's
-    `[V/tp, H]` weight shard and `[V/tp]` bias shard), computed chunk by chunk: the same outputs
-    and the same one collective."""
-    return _forward(_HeadLogits(hidden, weight, bias), target, keep_mask, group_name, temperature, with_entropy,
-                    ignore_index, _head_rows(chunk_size, hidden, weight), kernels)
-
-
-@_vocab_parallel_head_op.register_fake
-def _(hidden, weight, bias, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
-      chunk_size, kernels):
-    return _fake_outputs(hidden, hidden.shape[:-1], with_entropy, keep_mask is not None)
-
-
-@torch.library.custom_op("graphpass::vocab_parallel_lm_head_logprob_entropy_backward", mutates_args=(),
-                        tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
-def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                     target: torch.Tensor, keep_mask: torch.Tensor | None, lse_lp: torch.Tensor,
-                                     lse_full: torch.Tensor, entropy: torch.Tensor, grad_logprob: torch.Tensor | None,
-                                     grad_entropy: torch.Tensor | None, group_name: str, temperature: float,
-                                     ignore_index: int | None, chunk_size: int, kernels: str, need_hidden: bool,
-                                     need_weight: bool, need_bias: bool
-                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dhidden, dweight, dbias) of `vocab_parallel_lm_head_logprob_entropy`, each `[0]` where not
-    wanted; each chunk's logits recomputed; no collective."""
-    head = _HeadLogits(hidden, weight, bias)
-    if keep_mask is None and need_weight and devices.host_reads_are_free(hidden.device):
-        return _head_backward_by_tiles(head, hidden.shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
-                                       group_name, temperature, ignore_index, chunk_size, kernels, need_hidden,
-                                       need_bias)
-    sink = _HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
-    _backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                   temperature, ignore_index, _head_rows(chunk_size, hidden, weight), kernels, sink)
-    return sink.results()
-
-
-def _head_rows(chunk_size: int, hidden, weight) -> int:
-    """Rows per chunk of the recomputing lm_head op: `chunk_size` (> 0), else `block_rows`."""
-    rows = math.prod(hidden.shape[:-1])
-    return block_rows(chunk_size, rows, weight.shape[0], weight.shape[1], hidden.dtype.itemsize)
-
-
-def _tile_columns(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
-    """Vocabulary entries per tile of `_head_backward_by_tiles`: the `[rows, tile]` logits within
-    the floor's share (`block_rows` turned on its side; `chunk_size` > 0 caps it at as many
-    entries as that many rows take), of even width in whole panels."""
-    floor = (rows + vocab) * hidden_size * itemsize
-    budget = floor * _FLOOR_SHARE if chunk_size <= 0 else chunk_size * vocab * itemsize
-    limit = max(1, int(budget // (max(1, rows) * itemsize)))
-    if limit >= vocab:
-        return vocab
-    tile = -(-vocab // -(-vocab // limit))
-    panels = _PANEL * -(-tile // _PANEL)
-    if panels <= limit:
-        return panels
-    return _PANEL * (limit // _PANEL) if limit >= _PANEL else tile
-
-
-def _head_backward_by_tiles(head: _HeadLogits, hidden_shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
-                            group_name: str, temperature: float, ignore_index: int | None, chunk_size: int,
-                            kernels: str, need_hidden: bool, need_bias: bool):
-    """(dhidden, dweight, dbias) of the unmasked recomputing op, a vocabulary tile at a time: the
-    tile's logits for all rows `h @ W[tile].T (+ b[tile])` (every row's statistics are known), the
-    gradient kernel over them in place (targets shifted to the tile), then `dW[tile] = dl.T @ h`,
-    complete in one GEMM of depth `rows` and written once in the weight's dtype (no `[V/tp, H]`
-    accumulator), and `dh += dl @ W[tile]` into a `[rows, H]` accumulator (fp32 for a narrower
-    dtype). No collective."""
-    _, rank, _ = rank_and_size(group_name)
-    hidden, weight, bias = head.hidden, head.weight, head.bias
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    dtype = _compute_dtype(hidden.dtype)
-    acc = torch.promote_types(weight.dtype, torch.float32)
-    operands = _GradRows(target, lse_lp, entropy, grad_logprob, grad_entropy, rank, vocab, ignore_index, dtype)
-    dweight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    dhidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_hidden else None
-    dbias = torch.empty(vocab, dtype=acc, device=weight.device) if need_bias and bias is not None else None
-    tile = _tile_columns(chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
-    store = hidden.new_empty(rows * min(tile, vocab))
-    kernel = _kernel(_chunk_grad_, kernels)
-    for start in range(0, vocab, tile):
-        stop = min(vocab, start + tile)
-        logits = store[:rows * (stop - start)].view(rows, stop - start)
-        w = weight[start:stop]
-        if bias is None:
-            torch.mm(hidden, w.t(), out=logits)
-        else:
-            torch.addmm(bias[start:stop], hidden, w.t(), out=logits)
-        kernel(logits, *operands.args(slice(None), start), temperature)
-        torch.mm(logits.t(), hidden, out=dweight[start:stop])
-        if dhidden is not None:
-            devices.mm_into(dhidden, logits, w, accumulate=start > 0)
-        if dbias is not None:
-            torch.sum(logits, 0, dtype=acc, out=dbias[start:stop])
-    empty = hidden.new_empty
-    return (empty((0,)) if dhidden is None else dhidden.to(hidden.dtype).view(hidden_shape), dweight,
-            empty((0,)) if dbias is None else dbias.to(bias.dtype))
-
-
-@_vocab_parallel_head_backward_op.register_fake
-def _(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-      temperature, ignore_index, chunk_size, kernels, need_hidden, need_weight, need_bias):
-    return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty((0,)),
-            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty((0,)),
-            torch.empty_like(bias, memory_format=torch.contiguous_format) if need_bias and bias is not None
-            else weight.new_empty((0,)))
-
-
-def _head_setup_context(ctx, inputs, output):
-    (hidden, weight, bias, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
-     chunk_size, kernels) = inputs
-    logprob, entropy, lse_lp, lse_full = output
-    ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
-    ctx.kernels = kernels
-    ctx.entropy_grad = with_entropy and entropy_grad
-    ctx.save_for_backward(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy)
-    ctx.mark_non_differentiable(lse_lp, lse_full)
-    if not ctx.entropy_grad:
-        ctx.mark_non_differentiable(entropy)
-
-
-def _head_autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
-    hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    need_bias = bool(need_bias and bias is not None)
-    if not ctx.entropy_grad:
-        grad_entropy = None
-    if not (need_hidden or need_weight or need_bias) or (grad_logprob is None and grad_entropy is None):
-        return (None,) * 12
-    dh, dw, db = _vocab_parallel_head_backward_op(
-        hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
-        ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size, ctx.kernels, bool(need_hidden),
-        bool(need_weight), need_bias)
-    return ((dh if need_hidden else None), (dw if need_weight else None), (db if need_bias else None)) + (None,) * 9
-
-
-_vocab_parallel_head_op.register_autograd(_head_autograd_backward, setup_context=_head_setup_context)
-
-
-def vocab_parallel_lm_head_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                           group=None, *, bias: torch.Tensor | None = None, temperature: float = 1.0,
-                                           with_entropy: bool = False, entropy_grad: bool = True,
-                                           ignore_index: int | None = -100, chunk_size: int | None = None):
-    """`vocab_parallel_logprob_entropy(F.linear(hidden, weight, bias), target, group, ...)` without
-    the `[*, V/tp]` logits or their gradient ever stored: each chunk's logits are computed from
-    `hidden [*, H]`, this rank's weight shard `[V/tp, H]` (and bias shard `[V/tp]`), and recomputed
-    in backward. The same one all-gather per call, none in backward.
-
-    `hidden.grad` is this rank's share, `dlogits_r @ W_r`, as autograd of `F.linear` gives on this
-    rank (Megatron sums it over the group in its own copy-to-tensor-parallel region); the weight's
-    gradient is computed a vocabulary tile at a time on the CPU (complete per tile; the hidden
-    states' accumulated in fp32), else accumulated in fp32 (float64 in float64) and converted once.
-    `chunk_size`: rows per chunk (and a tile's bytes); None: up to half the bytes of the gradients.
-    """
-    if not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or not hidden.is_floating_point():
-        raise ValueError("graphpass: hidden must be a float [*, H] tensor (at least 2-D)")
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] \
-            or weight.dtype != hidden.dtype or weight.shape[0] == 0:
-        raise ValueError(f"graphpass: weight must be this rank's [V/tp, H] = [*, {hidden.shape[-1]}] shard in "
-                         f"{hidden.dtype}, got {tuple(getattr(weight, 'shape', ()))}")
-    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != hidden.dtype):
-        raise ValueError(f"graphpass: bias must be this rank's [{weight.shape[0]}] shard in {hidden.dtype}")
-    if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype == torch.bool \
-            or tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError("graphpass: target must be integer token ids of shape hidden.shape[:-1] = "
-                         f"{tuple(hidden.shape[:-1])}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"graphpass: temperature must be a positive Python number, got {temperature!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {chunk_size!r}")
-    logprob, entropy, _, _ = _vocab_parallel_head_op(hidden, weight, bias, target, None, group_name(group),
-                                                     float(temperature), bool(with_entropy), bool(entropy_grad),
-                                                     None if ignore_index is None else int(ignore_index),
-                                                     chunk_size or 0, "eager")
-    return logprob, (entropy if with_entropy else None)
 
 
 # ---- public entry --------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ import torch
 from graphpass import _torch_api
 from graphpass.ops.gradients_in_forward import scale_gradients_
 from graphpass.ops.groups import rank_and_size
-from graphpass.ops.vocab_parallel import (_chunk_grad_, _compute_dtype, _forward, _GradRows, _HeadGradients, _HeadLogits,
-                                          _kernel, block_rows)
+from graphpass.ops.vocab_parallel import GradRows, HeadLogits, chunk_grad_, compiled_kernel, compute_dtype, forward_statistics
+from graphpass.ops.vocab_parallel_lm_head import HeadGradients, block_rows
 
 class LossGradient:
     """`(g_logprob, g_entropy)` of `sum_k seeds[k] * summands[k].sum()` for a block's rows, where
@@ -91,10 +91,10 @@ def _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key
                             need_bias):
     loss = _LOSSES[loss_key]
     _, rank, _ = rank_and_size(group_name)
-    head = _HeadLogits(hidden, weight, bias)
-    grads = _HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
+    head = HeadLogits(hidden, weight, bias)
+    grads = HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
     rows, vocab = head.hidden.shape[0], weight.shape[0]
-    dtype = _compute_dtype(hidden.dtype)
+    dtype = compute_dtype(hidden.dtype)
     target_flat = target.reshape(rows)
     # A mean's coefficient applies to each row's summand divided by the rows.
     seeds = [seed / rows if reduction == "mean" else seed for seed, reduction in zip(seeds, loss.reductions)]
@@ -102,14 +102,14 @@ def _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key
     entropy = hidden.new_empty(rows if with_entropy else 0, dtype=dtype)
     block = block_rows(chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
     empty = hidden.new_empty(0, dtype=dtype)
-    grad_kernel = _kernel(_chunk_grad_, kernels)
+    grad_kernel = compiled_kernel(chunk_grad_, kernels)
     wanted = need_hidden or need_weight or need_bias
     store = hidden.new_empty(min(block, rows), vocab)
     for start in range(0, rows, block):
         sl = slice(start, min(rows, start + block))
         logits = store[:sl.stop - start]
         head.logits(sl, out=logits)
-        lp, ent, lse, _ = _forward(logits, target_flat[sl], None, group_name, temperature, with_entropy,
+        lp, ent, lse, _ = forward_statistics(logits, target_flat[sl], None, group_name, temperature, with_entropy,
                                    ignore_index, block, kernels)
         logprob[sl] = lp
         if with_entropy:
@@ -117,7 +117,7 @@ def _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key
         if not wanted:  # this rank computes no gradient (the same blocks and collectives)
             continue
         g_lp, g_ent = loss(lp, ent if loss.with_entropy else empty, [s[sl] if s.ndim else s for s in sides], seeds)
-        operands = _GradRows(target_flat[sl], lse, ent, g_lp, g_ent if loss.with_entropy else None, rank, vocab,
+        operands = GradRows(target_flat[sl], lse, ent, g_lp, g_ent if loss.with_entropy else None, rank, vocab,
                              ignore_index, dtype)
         # One kernel call per block: the block's logits become their gradient where they are.
         grad_kernel(logits, *operands.args(slice(None)), temperature)
@@ -146,7 +146,7 @@ def vocab_parallel_lm_head_with_gradients(
 @vocab_parallel_lm_head_with_gradients.register_fake
 def _(hidden, weight, bias, target, sides, seeds, loss_key, group_name, temperature, with_entropy, entropy_grad,
       ignore_index, chunk_size, kernels, need_hidden, need_weight, need_bias):
-    dtype, lead = _compute_dtype(hidden.dtype), hidden.shape[:-1]
+    dtype, lead = compute_dtype(hidden.dtype), hidden.shape[:-1]
     empty = hidden.new_empty((0,))
     return [hidden.new_empty(lead, dtype=dtype), hidden.new_empty(lead if with_entropy else (0,), dtype=dtype),
             hidden.new_empty((), dtype=seeds[0].dtype),
