@@ -12,6 +12,8 @@ gradient zero or not). What is not tile-able (`Categorical.entropy`'s clamp, cro
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphpass
 from graphpass.ops import chunked_op
+from graphpass.ops import lm_head
+from graphpass.ops.lm_head import LinearHeadProgram
 from graphpass.ops.joint import NotTileable, on_column_tile
 from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 
@@ -218,6 +222,83 @@ def test_inductor_kernels_on_tiles():
         records = _check(ppo, _batch(dtype, rows=40), inner="inductor", gradients_in_forward=in_forward)
         (program,) = _programs(records)
         assert _schedule(program) == _expected(dtype, in_forward)
+
+
+def _tile_passes(monkeypatch) -> list:
+    """(stop, width) of every tile pass that runs from now on."""
+    calls, original = [], LinearHeadProgram._tile_pass
+
+    def spy(self, *args, stop=None, width=None, **kwargs):
+        calls.append((stop, width))
+        return original(self, *args, stop=stop, width=width, **kwargs)
+
+    monkeypatch.setattr(LinearHeadProgram, "_tile_pass", spy)
+    return calls
+
+
+@pytest.mark.parametrize("keep", [pytest.param(True, id="kept"), pytest.param(False, id="all-tiles")])
+@pytest.mark.parametrize("case", ["ppo", "bias", "tied", "blocks", "inductor", "pieces"])
+def test_two_passes_keep_the_last_columns(case, keep, monkeypatch):
+    """bf16 in forward: the first pass keeps the last entries' dlogits in the weight gradient's
+    buffer, the second multiplies them first, then recomputes the other entries' logits in whole
+    tiles (V=600: 88 kept in one piece, two tiles of 256; with pieces of 16 entries, 344 kept in
+    22, one tile); with `keep_columns` off the tiles cover the vocabulary (256, 256, 88). Row
+    blocks of 4 (chunks) or 3 rows (`blocks`: the budget's)."""
+    monkeypatch.setattr(LinearHeadProgram, "keep_columns", keep)
+    if case == "pieces":
+        monkeypatch.setattr(lm_head, "_KEPT_PIECE", 16)
+    calls = _tile_passes(monkeypatch)
+    vocab, options, fn = 600, {}, ppo
+    tensors = _batch(torch.bfloat16, vocab=vocab, bias=case == "bias")
+    if case == "bias":
+        fn = with_bias
+    elif case == "tied":
+        fn = tied
+        tensors[0] = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(3))
+    elif case == "blocks":
+        options = dict(chunk_size=None)
+    elif case == "inductor":
+        options = dict(inner="inductor")
+    (program,) = _programs(_check(fn, tensors, **options))
+    assert _schedule(program) == "two passes"
+    kept, width = program.kept_columns(T, vocab, 2)
+    assert (kept, width) == (((344 if case == "pieces" else 88), 256) if keep else (0, 256))
+    assert calls == [(vocab - kept, width)]
+
+
+@pytest.mark.parametrize("rows,hidden,vocab", [(2048, 1024, 32768), (16384, 2048, 248320), (4096, 256, 65536),
+                                               (13, 8, 300), (1, 8, 300), (5000, 8, 300), (300, 64, 300)])
+def test_kept_columns_fit_the_front_of_the_weight_gradient(rows, hidden, vocab):
+    """Kept dlogits fit the weight gradient's buffer (`_kept_fit`), the entries the tiles recompute
+    are whole tiles, the tile width is the budget's or its half."""
+    (program,) = _programs(_check(ppo, _batch(torch.bfloat16)))
+    program.head = dataclasses.replace(program.head, hidden_size=hidden)
+    kept, width = program.kept_columns(rows, vocab, 2)
+    budget_width = program.tile_columns(rows, vocab, 2, upcast=False)
+    assert 0 <= kept < vocab and width in (budget_width, budget_width // 2)
+    assert lm_head._kept_fit(kept, rows, hidden, vocab) and rows * kept <= vocab * hidden
+    assert kept == 0 or (vocab - kept) % width == 0
+    if (rows, hidden, vocab) == (2048, 1024, 32768):  # the bench's: a third kept at the default budget
+        program.chunk_budget_bytes, program.inner = 16 * 2**20, "inductor"
+        assert program.kept_columns(rows, vocab, 2) == (14336, 2048)
+
+
+@pytest.mark.parametrize("rows,hidden,vocab", [(13, 8, 600), (40, 8, 600), (5, 8, 600), (64, 64, 600), (7, 32, 600)])
+def test_kept_pieces_are_read_before_their_rows_are_written(rows, hidden, vocab, monkeypatch):
+    """`_KeptColumns` in a real buffer: every block's kept entries written, then the products,
+    the last piece first, equal `dlogits[:, kept].T @ hidden` from a separate copy (a product
+    that overwrote a piece not yet read would not)."""
+    monkeypatch.setattr(lm_head, "_KEPT_PIECE", 16)
+    kept = max(k for k in range(vocab) if lm_head._kept_fit(k, rows, hidden, vocab))
+    assert kept > 2 * 16 + 1  # whole pieces and a remainder
+    g = torch.Generator().manual_seed(6)
+    dlogits, h = torch.randn(rows, vocab, generator=g), torch.randn(rows, hidden, generator=g)
+    weight_grad = torch.full((vocab, hidden), float("nan"))
+    pieces = lm_head._KeptColumns(weight_grad, rows, vocab, kept)
+    for start in range(0, rows, 3):
+        pieces.write(slice(start, min(rows, start + 3)), dlogits[start:start + 3])
+    pieces.multiply(h, weight_grad)
+    torch.testing.assert_close(weight_grad[vocab - kept:], dlogits[:, vocab - kept:].t() @ h)
 
 
 def scaled(hidden, weight, tokens, old_logp, adv, mask, scale):
