@@ -9,8 +9,11 @@ forward computes exactly log-probs and/or entropies of its vocabulary slice
 statistic, O(rows) saved instead of the softmax. The group is the one the forward names.
 
 Also moved into the op, where exact: an fp32 upcast of bf16/fp16 logits (the op upcasts one chunk
-at a time) and a division of the compute-dtype logits by a constant temperature. Anything else
-stays as it was; a Function with collectives that does not match is recorded with the reason.
+at a time) and a division of the logits by a constant temperature: of the compute-dtype logits
+(the op divides each upcast chunk), or of bf16/fp16 logits in their own dtype, as verl's Megatron
+actor divides (the op's `rounded_division`: each chunk divided in that dtype, rounding as eager
+does, then upcast; its gradient divided in that dtype as eager's autograd divides it). Anything
+else stays as it was; a Function with collectives that does not match is recorded with the reason.
 
 When the logits the op then reads are this rank's lm_head, `F.linear(hidden, W_shard (, b_shard))`
 or `hidden @ W_shard.t()` in the same graph and grad mode, read by nothing else, the op becomes
@@ -227,13 +230,16 @@ def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node, place: torch.fx.Nod
     """None when ops `a` and `b` compute exactly what one op reading their logits computes, put
     before `place` (default: `a`, the earlier; else the one in grad mode where the other runs
     without grad); else why not (`_OTHER_LOGITS` when they read different logits)."""
-    (la, ta, ka, ga, tempa, wea, _, iia, ca, kera), (lb, tb, kb, gb, tempb, web, _, iib, cb, kerb) = a.args, b.args
+    (la, ta, ka, ga, tempa, wea, _, iia, ca, kera), (lb, tb, kb, gb, tempb, web, _, iib, cb, kerb) = \
+        a.args[:10], b.args[:10]
     if la is not lb:
         return _OTHER_LOGITS
     if ga != gb:
         return f"they all-reduce over different groups ({ga!r}, {gb!r})"
     if tempa != tempb:
         return f"they divide the logits by different temperatures ({tempa:g}, {tempb:g})"
+    if _rounded(a) != _rounded(b):
+        return "one divides the logits by the temperature in their dtype, the other in fp32"
     if ka is not None or kb is not None:
         return "a keep mask"
     if (ca, kera) != (cb, kerb):
@@ -274,7 +280,7 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
     """(site, op) of one op before `place` (default `a`) computing what ops `a` and `b` computed;
     both erased. The outputs of one in another grad mode than `place` are read detached."""
     place = a if place is None else place
-    (logits, target, keep_mask, group, temperature, with_a, grad_a, ignore_index, chunk, kernels) = a.args
+    (logits, target, keep_mask, group, temperature, with_a, grad_a, ignore_index, chunk, kernels) = a.args[:10]
     with_b, grad_b = b.args[5], b.args[6]
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     read_a, read_b = _log_prob_read(a), _log_prob_read(b)
@@ -288,7 +294,8 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
         with_entropy = with_a or with_b
         entropy_grad = (with_a and grad_a) or (with_b and grad_b)
         op = _torch_api.fake_node(graph, fake_mode, _OP, (logits, target, keep_mask, group, temperature, with_entropy,
-                                                          entropy_grad, ignore_index, chunk, kernels), {}, place)
+                                                          entropy_grad, ignore_index, chunk, kernels, _rounded(a)),
+                                  {}, place)
         items = [_torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, place) for i in range(2)]
         detached = [_torch_api.fake_node(graph, fake_mode, aten.detach.default, (item,), {}, place) for item in items]
     for old in (a, b):
@@ -349,31 +356,48 @@ def _merge_inlined(graph: torch.fx.Graph, built: list, inlined: tuple, record) -
 
 def _absorb_into(site: SiteRecord, op: torch.fx.Node) -> None:
     """The merged `op` reading through what only it now reads (`_absorb_scaling`); the site updated."""
-    logits, temperature = _absorb_scaling(op.args[0], op.args[4])
+    logits, temperature, rounded = _absorb_scaling(op.args[0], op.args[4], _rounded(op))
     if logits is op.args[0]:
         return
-    op.args = (logits, *op.args[1:4], float(temperature), *op.args[5:])
+    op.args = (logits, *op.args[1:4], float(temperature), *op.args[5:10], rounded)
     wide = logits.meta["val"]
     site.shape, site.dtype = tuple(wide.shape), wide.dtype
     for output in site.outputs:
-        output.temperature = None if temperature == 1.0 else f"/ {temperature:.3g}"
+        output.temperature = _temperature_text(temperature, rounded, wide.dtype)
+
+
+def _rounded(op: torch.fx.Node) -> bool:
+    """Whether the op divides its logits by the temperature in their own dtype (`rounded_division`)."""
+    return len(op.args) > 10 and bool(op.args[10])
+
+
+def _temperature_text(temperature: float, rounded: bool, dtype: torch.dtype) -> str | None:
+    if temperature == 1.0:
+        return None
+    return f"/ {temperature:.3g}" + (f" in {str(dtype).removeprefix('torch.')}" if rounded else "")
 
 
 def _note_kept_division(op: torch.fx.Node, site: SiteRecord, record) -> None:
-    """Among the candidates: the op reads a temperature's division of bf16/fp16 logits that only it
-    reads (`_absorb_scaling` takes in divisions of fp32/fp64 logits only: this one rounds to the
-    logits' dtype, the op would divide in fp32), so the quotient and its gradient exist whole."""
+    """Among the candidates: the op reads a temperature's division of bf16/fp16 logits that
+    `_absorb_scaling` left outside it, so the quotient and its gradient exist whole."""
     logits = op.args[0]
     if not (isinstance(logits, torch.fx.Node) and logits.op == "call_function"
             and logits.target in (aten.div.Tensor, aten.div.Scalar) and isinstance(logits.args[1], float)):
         return
     val = logits.meta.get("val")
     if isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16):
-        record.rejected.append(Rejection(source_of(logits), f"the division of {str(val.dtype).removeprefix('torch.')} "
-                                                            f"logits by {logits.args[1]:g} stays outside the "
-                                                            f"vocab-parallel op at {site.source}: it rounds to "
-                                                            f"{str(val.dtype).removeprefix('torch.')}, the op would "
-                                                            "divide in fp32 (divide the fp32 upcast instead)"))
+        dtype = str(val.dtype).removeprefix('torch.')
+        checks = [u for u in logits.users if u.op == "call_function" and u.target in METADATA_CHECKS]
+        if len(logits.users) - len(checks) > 1:
+            why = "other code reads the quotient"
+        elif op.args[4] != 1.0:
+            why = (f"the op divides by {op.args[4]:g} after it (two roundings in {dtype} and fp32, "
+                   "which one division in the op does not reproduce)")
+        else:
+            why = "its divisor or dtypes are not those of one constant division in the logits' dtype"
+        record.rejected.append(Rejection(source_of(logits), f"the division of {dtype} logits by {logits.args[1]:g} "
+                                                            f"stays outside the vocab-parallel op at {site.source}: "
+                                                            f"{why}"))
 
 
 def _add_site(record, site: SiteRecord) -> None:
@@ -391,6 +415,10 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
     where the logits are a matmul)."""
     logits = op.args[0]
     head, why = _match_head(logits) if isinstance(logits, torch.fx.Node) else (None, None)
+    if head is not None and _rounded(op):
+        dtype = str(logits.meta["val"].dtype).removeprefix("torch.")
+        head, why = None, (f"the op divides its logits by the temperature in {dtype} (as the code does, between "
+                           "the matmul and the loss); the lm_head ops divide in fp32")
     if head is not None and head.weight_transposed:
         head, why = None, "its weight is [H, V/tp] (hidden @ W), not the [V/tp, H] shard of hidden @ W.T"
     checks = []
@@ -414,7 +442,7 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
             lead = list(logits.meta["val"].shape[:-1])
             hidden = _torch_api.fake_node(graph, fake_mode, aten.reshape.default, (hidden, [*lead, head.hidden_size]),
                                           {}, op)
-        fused = _torch_api.fake_node(graph, fake_mode, _HEAD_OP, (hidden, head.weight, head.bias, *op.args[1:]),
+        fused = _torch_api.fake_node(graph, fake_mode, _HEAD_OP, (hidden, head.weight, head.bias, *op.args[1:10]),
                                      {}, op)
     op.replace_all_uses_with(fused)
     graph.erase_node(op)
@@ -648,7 +676,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     the outputs' gradients are summed over the group in backward (one all-reduce). Returns the
     site and the op's node."""
     replaced = [r if isinstance(r, tuple) else (r, i) for i, r in enumerate(replaced)]
-    logits, temperature = _absorb_scaling(match.logits, match.temperature)
+    logits, temperature, rounded = _absorb_scaling(match.logits, match.temperature)
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     with_entropy = any(k.endswith("entropy") for k in match.outputs)
     entropy_grad = with_entropy and not any(
@@ -668,7 +696,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
             ignore_index = None
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
                   match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk,
-                  "inductor" if config.inner == "inductor" else "eager", like=like)
+                  "inductor" if config.inner == "inductor" else "eager", rounded, like=like)
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
         if sum_grads:
             results = _summing_grads(node, results, with_entropy, match.group_name)
@@ -693,7 +721,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     for i, kind in enumerate(match.outputs):
         if kind != EMPTY:
             outputs.append(OutputRecord(kind, i not in non_differentiable and (entropy_grad or "logprob" in kind),
-                                        None if temperature == 1.0 else f"/ {temperature:.3g}"))
+                                        _temperature_text(temperature, rounded, logits.meta["val"].dtype)))
     wide = logits.meta["val"]
     rows_hint = _torch_api.size_hint(wide.numel()) // max(1, _torch_api.size_hint(wide.shape[-1]))
     return SiteRecord(
@@ -715,32 +743,38 @@ def _summing_grads(node, results: dict, with_entropy: bool, group_name: str) -> 
     return {"logprob": node(aten.select.int, both, 0, 0), "entropy": node(aten.select.int, both, 0, 1)}
 
 
-def _absorb_scaling(logits: torch.fx.Node, temperature: float):
-    """(logits, temperature) with an exact copy, upcast or temperature division moved into the op.
+def _absorb_scaling(logits: torch.fx.Node, temperature: float, rounded: bool = False):
+    """(logits, temperature, rounded) with an exact copy, upcast or temperature division moved into
+    the op (`rounded`: the op divides in the logits' dtype, its `rounded_division`).
 
     `x.clone()` holds the values of `x` and the op writes into neither (megatron-core's Function
     overwrites its input, so callers hand it a clone): it reads `x`. `x.float()` of bf16/fp16 `x`
     is exact and the op upcasts per chunk: it reads `x`. `x / t` of compute-dtype `x` by a constant
-    is what the op computes per chunk: it reads `x` and divides. Only when that node has no other
-    reader but metadata checks (erased with it; else it exists anyway)."""
+    is what the op computes per chunk: it reads `x` and divides. `x / t` of bf16/fp16 `x` in that
+    dtype rounds the quotient: the op computes it per chunk with the same aten division, then
+    upcasts (`rounded`), where it divides by nothing else (one division, one rounding; a second
+    division before or after it is two, which the op does not compute). Only when that node has no
+    other reader but metadata checks (erased with it; else it exists anyway)."""
     while True:
         checks = [u for u in logits.users if u.op == "call_function" and u.target in METADATA_CHECKS]
         if len(logits.users) - len(checks) != 1:
             break
         val, source = logits.meta["val"], logits.args[0] if logits.args else None
+        division = logits.target in (aten.div.Tensor, aten.div.Scalar) and not logits.kwargs and \
+            isinstance(logits.args[1], float) and logits.args[1] > 0 and source.meta["val"].dtype == val.dtype
         if logits.target is aten.clone.default and set(logits.kwargs) <= {"memory_format"}:
-            new = source, temperature
+            new = source, temperature, rounded
         elif logits.target is aten._to_copy.default and set(logits.kwargs) <= {"dtype", "device", "layout"} \
                 and logits.kwargs.get("dtype") == torch.float32 and source.meta["val"].dtype in (torch.bfloat16, torch.float16) \
-                and source.meta["val"].device == val.device:
-            new = source, temperature
-        elif logits.target in (aten.div.Tensor, aten.div.Scalar) and not logits.kwargs and \
-                isinstance(logits.args[1], float) and logits.args[1] > 0 and \
-                val.dtype in (torch.float32, torch.float64) and source.meta["val"].dtype == val.dtype:
-            new = source, temperature * logits.args[1]
+                and source.meta["val"].device == val.device and not rounded:
+            new = source, temperature, rounded
+        elif division and val.dtype in (torch.float32, torch.float64) and not rounded:
+            new = source, temperature * logits.args[1], rounded
+        elif division and val.dtype in (torch.bfloat16, torch.float16) and temperature == 1.0 and not rounded:
+            new = source, logits.args[1], True
         else:
             break
         for check in checks:
             logits.graph.erase_node(check)
-        logits, temperature = new
-    return logits, temperature
+        logits, temperature, rounded = new
+    return logits, temperature, rounded

@@ -417,6 +417,35 @@ def test_leading_dims_and_strided_logits():
     assert lp.shape == (2, 6) and _err(lp.reshape(12), ref_lp) < 1e-10 and _err(ent.reshape(12), ref_ent) < 1e-10
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernels", ["eager", "inductor"])
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rounded_division_is_eagers_division_in_the_logits_dtype(dtype, kernels, keep, strided):
+    """`rounded_division`: the op on `x` divided by t in x's dtype, chunk by chunk, is bit for bit
+    the op at temperature 1 on eager's `x / t` (values, entropy, and the gradient through eager's
+    autograd of that division), under eager and inductor kernels, with and without a keep mask, on
+    strided logits; the fp32 division (the default) is not (it does not round the quotient)."""
+    op = torch.ops.graphpass.vocab_parallel_logprob_entropy.default
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randn(2, 70 if strided else 65, 300, generator=g) * 3).to(dtype)
+    x0 = base[:, ::2] if strided else base  # [2, 35 or 65, 300]
+    target = torch.randint(0, 300, x0.shape[:-1], generator=g)
+    keep_mask = (torch.rand(x0.shape, generator=g) < 0.8) if keep else None
+    g_lp, g_ent = torch.randn(x0.shape[:-1], generator=g), torch.randn(x0.shape[:-1], generator=g)
+
+    def run(temperature, rounded, divide_first):
+        x = x0.detach().clone().requires_grad_()
+        logits = x / 0.7 if divide_first else x
+        lp, ent, _, _ = op(logits, target, keep_mask, "", temperature, True, True, None, 16, kernels, rounded)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return lp, ent, x.grad
+
+    ours, eager, fp32 = run(0.7, True, False), run(1.0, False, True), run(0.7, False, False)
+    assert ours[2].dtype == dtype and all(torch.equal(a, b) for a, b in zip(ours, eager))
+    assert not all(torch.equal(a, b) for a, b in zip(fp32, eager))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: vocab_parallel_logprob_entropy(torch.randn(5), torch.zeros(5, dtype=torch.long)), "at least 2-D"),
     (lambda: vocab_parallel_logprob_entropy(torch.randn(5, 4), torch.zeros(4, dtype=torch.long)),

@@ -81,8 +81,8 @@ def _row_blocks(logits: torch.Tensor):
 
 
 def _row_chunks(logits, chunk_size: int):
-    """`_chunks` of a logits tensor, or the chunks a `HeadLogits` computes."""
-    if isinstance(logits, HeadLogits):
+    """`_chunks` of a logits tensor, or the chunks a `HeadLogits` or `RoundedQuotient` computes."""
+    if isinstance(logits, (HeadLogits, RoundedQuotient)):
         return logits.chunks(chunk_size)
     return _chunks(logits, chunk_size)
 
@@ -312,12 +312,24 @@ def forward_statistics(logits, target, keep_mask, group_name: str, temperature: 
 
 # ---- backward ------------------------------------------------------------------------------------
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
-              temperature: float, ignore_index: int | None, chunk_size: int, kernels: str):
-    """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective."""
+              temperature: float, ignore_index: int | None, chunk_size: int, kernels: str,
+              rounded_division: bool = False):
+    """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective.
+
+    `rounded_division`: the op's logits are `logits / temperature` computed in the logits' dtype
+    (`RoundedQuotient`); the gradient is then eager autograd's of that division: the gradient
+    with respect to the quotient, in the logits' dtype, divided by the temperature in that dtype."""
     grad = torch.empty(math.prod(logits.shape[:-1]), logits.shape[-1], dtype=logits.dtype, device=logits.device)
 
     def write(sl, chunk_grad):
         grad[sl] = chunk_grad
+
+    if rounded_division:
+        quotient_temperature = temperature
+        logits, temperature = RoundedQuotient(logits, temperature), 1.0
+
+        def write(sl, chunk_grad):  # noqa: F811 -- the division's backward, the same aten op as eager's
+            torch.div(chunk_grad, quotient_temperature, out=grad[sl])
 
     backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
                    temperature, ignore_index, chunk_size, kernels, write)
@@ -376,8 +388,8 @@ def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_log
     chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
     if not masked:
         entropy_rows = entropy.reshape(-1)
-        # A chunk a `HeadLogits` computed is a temporary: its gradient takes its place.
-        in_place = isinstance(logits, HeadLogits)
+        # A chunk a `HeadLogits` or `RoundedQuotient` computed is a temporary: its gradient takes its place.
+        in_place = isinstance(logits, (HeadLogits, RoundedQuotient))
         kernel = compiled_kernel(chunk_grad_ if in_place else _chunk_grad, kernels)
         for sl, piece in _row_chunks(logits, chunk):
             grad = kernel(piece, lse_lp[sl, None],
@@ -407,6 +419,25 @@ def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_log
             out.div_(temperature)
         sink(sl, out.to(logits.dtype))
         del x, out
+
+
+# ---- logits divided in their own dtype -----------------------------------------------------------
+class RoundedQuotient:
+    """`logits / temperature` as eager computes it for bf16/fp16 `logits` (the quotient rounded to
+    their dtype; the op would otherwise divide the fp32 upcast), one chunk at a time: what the op
+    reads when the temperature's division it took in is one of the logits' own dtype. The division
+    is the same aten op as eager's, elementwise, so each chunk holds exactly eager's quotient."""
+
+    def __init__(self, logits, temperature: float):
+        self.logits, self.temperature = logits, temperature
+        self.shape, self.dtype, self.device = logits.shape, logits.dtype, logits.device
+
+    def new_empty(self, *args, **kwargs):
+        return self.logits.new_empty(*args, **kwargs)
+
+    def chunks(self, chunk_size: int):
+        for sl, piece in _row_chunks(self.logits, chunk_size):
+            yield sl, torch.div(piece, self.temperature)
 
 
 # ---- logits computed from the hidden states (the lm_head op's, `vocab_parallel_lm_head.py`) ------
@@ -453,14 +484,20 @@ def fake_outputs(like, lead, with_entropy: bool, masked: bool):
                         tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
                        temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
-                       chunk_size: int, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0])."""
+                       chunk_size: int, kernels: str, rounded_division: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0]).
+
+    `rounded_division`: the logits are divided by the temperature in their own dtype, as eager
+    divides bf16/fp16 logits (`RoundedQuotient`), not upcast first and divided in fp32."""
+    if rounded_division and temperature != 1.0:
+        logits, temperature = RoundedQuotient(logits, temperature), 1.0
     return forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size, kernels)
 
 
 @_vocab_parallel_op.register_fake
 def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-      kernels):
+      kernels, rounded_division=False):
     return fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
 
 
@@ -470,21 +507,22 @@ def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep
                                 lse_lp: torch.Tensor, lse_full: torch.Tensor, entropy: torch.Tensor,
                                 grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
                                 temperature: float, ignore_index: int | None, chunk_size: int,
-                                kernels: str) -> torch.Tensor:
+                                kernels: str, rounded_division: bool = False) -> torch.Tensor:
     """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
     return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                     temperature, ignore_index, chunk_size, kernels)
+                     temperature, ignore_index, chunk_size, kernels, rounded_division and temperature != 1.0)
 
 
 @_vocab_parallel_backward_op.register_fake
 def _(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name, temperature,
-      ignore_index, chunk_size, kernels):
+      ignore_index, chunk_size, kernels, rounded_division=False):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
     (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-     kernels) = inputs
+     kernels, *rounded) = inputs
+    ctx.rounded_division = bool(rounded and rounded[0])
     logprob, entropy, lse_lp, lse_full = output
     ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
     ctx.kernels = kernels
@@ -498,16 +536,16 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
     if not ctx.needs_input_grad[0]:
-        return (None,) * 10
+        return (None,) * 11
     logits, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
     if not ctx.entropy_grad:
         grad_entropy = None
     if grad_logprob is None and grad_entropy is None:
-        return (None,) * 10
+        return (None,) * 11
     grad = _vocab_parallel_backward_op(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob,
                                        grad_entropy, ctx.group_name, ctx.temperature, ctx.ignore_index,
-                                       ctx.chunk_size, ctx.kernels)
-    return (grad,) + (None,) * 9
+                                       ctx.chunk_size, ctx.kernels, ctx.rounded_division)
+    return (grad,) + (None,) * 10
 
 
 _vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_context)
