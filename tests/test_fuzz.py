@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench import fuzz
-from bench.fuzz_programs import generate, hypothesis_draw, random_draw
+from bench.fuzz import run
+from bench.fuzz.programs import generate, hypothesis_draw, random_draw
 
 
 def _scripted(**fixed):
@@ -65,42 +65,42 @@ class _BrokenBackend:
 def test_comparator_catches_a_broken_backend(dtype, defect, expected):
     # Logits and a value-head input `w` both need gradients.
     prog = generate(_scripted(dtype=dtype, value_head="plain", upcast=False))
-    result = fuzz.check_source(prog.source, backend_factory=lambda chunk_size: _BrokenBackend(defect))
+    result = run.check_source(prog.source, backend_factory=lambda chunk_size: _BrokenBackend(defect))
     assert result.mismatch is not None and expected in result.mismatch, result.mismatch
     # The same program with the defect-free backend is not flagged.
-    ok = fuzz.check_source(prog.source, backend_factory=lambda chunk_size: _BrokenBackend("none"))
+    ok = run.check_source(prog.source, backend_factory=lambda chunk_size: _BrokenBackend("none"))
     assert ok.mismatch is None, ok.mismatch
 
 
 def test_tolerance_catches_a_small_gradient_error_but_not_rounding():
     ref = torch.linspace(-1, 1, 50, dtype=torch.float64)
     eager = (ref + 1e-7).float()
-    assert fuzz.compare("g", (ref + 2e-7).float(), eager, ref, fuzz.RTOL[torch.float32]) is None
+    assert run.compare("g", (ref + 2e-7).float(), eager, ref, run.RTOL[torch.float32]) is None
     wrong = ref.float().clone()
     wrong[7] += 0.05
-    assert "error" in fuzz.compare("g", wrong, eager, ref, fuzz.RTOL[torch.float32])
+    assert "error" in run.compare("g", wrong, eager, ref, run.RTOL[torch.float32])
     # bf16: eager's rounding error sets the bound, yet 0.05 on a gradient of magnitude 1 is caught.
     eager16 = ref.bfloat16()
-    assert fuzz.compare("g", eager16.clone(), eager16, ref, fuzz.RTOL[torch.bfloat16]) is None
+    assert run.compare("g", eager16.clone(), eager16, ref, run.RTOL[torch.bfloat16]) is None
     wrong16 = eager16.clone()
     wrong16[7] += 0.05
-    assert "error" in fuzz.compare("g", wrong16, eager16, ref, fuzz.RTOL[torch.bfloat16])
+    assert "error" in run.compare("g", wrong16, eager16, ref, run.RTOL[torch.bfloat16])
     # NaN where eager has a number, or a NaN moved: caught.
     nan = ref.float().clone()
     nan[3] = float("nan")
-    assert "non-finite" in fuzz.compare("g", nan, eager, ref, fuzz.RTOL[torch.float32])
+    assert "non-finite" in run.compare("g", nan, eager, ref, run.RTOL[torch.float32])
 
 
 def test_programs_are_determined_by_their_seed_and_run_eagerly():
     # Every generated program is valid code whose eager run and float64 reference succeed
     # (forward and backward) with finite gradients: a mismatch is never the generator's fault.
     for seed in range(300):
-        prog = fuzz.program(seed)
-        assert prog.source == fuzz.program(seed).source
-        ns = fuzz.load(prog.source, f"seed {seed}")
+        prog = run.program(seed)
+        assert prog.source == run.program(seed).source
+        ns = run.load(prog.source, f"seed {seed}")
         inputs = ns["make_inputs"]()
         for float64 in (False, True):
-            outs, grads = fuzz._run(ns["loss"], inputs, float64=float64)
+            outs, grads = run._run(ns["loss"], inputs, float64=float64)
             assert outs[0].ndim == 0 and grads["logits" if "logits" in grads else "hidden"] is not None, seed
             assert all(torch.isfinite(g).all() for g in grads.values()), seed
 
@@ -115,7 +115,7 @@ FIXED_SEEDS_INNER = "eager"
 def test_fixed_seeds_match_eager():
     """Seeds 0..99 (about 2.5 minutes on 2 cores): every program's results equal eager's."""
     workers = min(2, os.cpu_count() or 1)
-    results = fuzz.run_seeds(range(100), inner=FIXED_SEEDS_INNER, workers=workers)
+    results = run.run_seeds(range(100), inner=FIXED_SEEDS_INNER, workers=workers)
     bad = [f"{r.name}: {r.mismatch}" for r in results if r.mismatch]
     assert not bad, (f"{len(bad)} mismatches (show one: python -m bench.fuzz --seed N -n 1 --show "
                      f"--inner {FIXED_SEEDS_INNER}):\n" + "\n".join(bad))
@@ -130,5 +130,5 @@ def test_fixed_seeds_match_eager():
 @given(st.data())
 def test_hypothesis_programs_match_eager(data):
     prog = generate(hypothesis_draw(data), data_seed=data.draw(st.integers(0, 3), label="data_seed"))
-    result = fuzz.check_source(prog.source, "hypothesis")
+    result = run.check_source(prog.source, "hypothesis")
     assert result.mismatch is None, f"{result.mismatch}\n{prog.source}"

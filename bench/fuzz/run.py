@@ -3,7 +3,7 @@
     python -m bench.fuzz -n 2000 [--seed START] [--inner eager|aot_eager|inductor] [--workers K] [--show]
     python -m bench.fuzz --file repro.py        # re-check one saved program
 
-Each seed gives one program (`bench.fuzz_programs`). Its outputs and the gradient of every input
+Each seed gives one program (`bench.fuzz.programs`). Its outputs and the gradient of every input
 that requires grad are compared against a float64 eager reference: the compiled error may be at
 most twice eager's error plus a small tolerance relative to the tensor's magnitude. A gradient
 present in one run and missing in the other, or an exception only the compiled run raises, is a
@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import re
-import sys
 import time
 import warnings
 
@@ -28,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import graphpass
-from bench.fuzz_programs import Program, generate, random_draw
+from bench.fuzz.programs import Program, generate, random_draw
 
 # Relative tolerance on top of 2 x eager's error, times the reference's largest magnitude (at
 # least 1 for outputs: a statistic such as mean(old_logp - logp) is a small difference of O(1)
@@ -357,6 +356,3 @@ def main(argv=None) -> int:
             print(f"\n# minimized {r.name} ({r.mismatch})\n{minimize(int(r.name.split()[1]), args.inner).source}")
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Random PPO/GRPO loss programs over logits, written as Python source (checked by `bench.fuzz`).
+"""Random PPO/GRPO loss programs over logits, written as Python source (checked by `bench.fuzz.run`).
 
 `generate(draw)` builds one program from a sequence of named choices: `draw(name, options)`
 returns one of `options`. `random_draw(seed)` serves it from `random.Random(seed)` (a program is
