@@ -4,7 +4,7 @@
     python -m bench.cp --quick         # 8 short sequences, the aot_eager compiler (CI, a minute)
     python -m bench.cp --device cuda   # NCCL ranks, one GPU each (cp = 4 needs four)
 
-Every loss of `bench.cp_losses` (token-mean PPO, per-sample GRPO, GSPO, OPSM, and PPO that also
+Every loss of `bench.workloads.cp_losses` (token-mean PPO, per-sample GRPO, GSPO, OPSM, and PPO that also
 returns every token's log-prob) starts from this rank's per-token log-probs `[T_local]` (a leaf that
 requires grad, fp32) in a CP layout of a packed batch of sequences (prompt + response, lengths
 drawn once from a seed), and the rollout's per-token tensors, the same on every rank. Methods:
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench import cp_losses
+from bench.workloads import cp_losses
 from bench.harness import machine_description, provenance
 
 METHODS = ("slime", "unshard", "graphpass")

@@ -52,7 +52,7 @@ class Case:
     name: str
     kind: str
     workload: str
-    """`bench.lm_head`'s loss (ppo, ce) or `bench.workloads`' key (e.g. ppo-t0.7-e0)."""
+    """`bench.lm_head`'s loss (ppo, ce) or `bench.workloads.losses`' key (e.g. ppo-t0.7-e0)."""
     T: int
     V: int
     H: int | None = None
@@ -137,7 +137,7 @@ def graphpass_note(r: dict) -> tuple[str | None, bool]:
     nothing; whether that is a problem). (None, False) for other rows."""
     if r["method"] != "graphpass" or r["status"] != "ok":
         return None, False
-    notes = r.get("notes") or {}  # bench.lm_head's and bench.methods' spellings
+    notes = r.get("notes") or {}  # bench.lm_head's and bench.workloads.methods' spellings
     sites = notes.get("sites", notes.get("graphpass_sites", 0))
     fallbacks = notes.get("fallbacks", notes.get("graphpass_fallbacks")) or []
     if fallbacks:

@@ -83,7 +83,7 @@ def torch_dtype(name: str):
 
 # Modules every worker needs: importing torch, Dynamo and inductor costs ~10 s per process on a
 # small CPU, so a fork server imports them once and each worker is forked from it.
-PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "graphpass.backend", "bench.methods")
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "graphpass.backend", "bench.workloads.methods")
 _server = None
 
 
@@ -326,16 +326,16 @@ def measure(spec: Spec) -> dict:
     """The worker's measurement of one configuration."""
     import torch
 
-    from bench import workloads
-    from bench.methods import METHODS, warning
+    from bench.workloads import losses
+    from bench.workloads.methods import METHODS, warning
 
     torch.manual_seed(spec.seed)
-    workload = workloads.Workload.parse(spec.workload)
+    workload = losses.Workload.parse(spec.workload)
     method = METHODS[spec.method]
     if (why := method.available()) is not None:
         return dict(status="unavailable", note=why)
-    batch = workloads.make_batch(spec.T, spec.V, torch_dtype(spec.dtype), spec.device, workload.temperature, spec.seed)
-    args = [batch[k] for k in workloads.BATCH_FIELDS]
+    batch = losses.make_batch(spec.T, spec.V, torch_dtype(spec.dtype), spec.device, workload.temperature, spec.seed)
+    args = [batch[k] for k in losses.BATCH_FIELDS]
     logits = batch["logits"]
     fn, notes = method.build(workload, spec.compiler)
     meter = CudaMeter() if spec.device.startswith("cuda") else CpuMeter()
@@ -392,10 +392,10 @@ def measure(spec: Spec) -> dict:
         loss = None
         cache = os.path.join(spec.reference_cache, spec.reference_key + ".pt") if spec.reference_cache else None
         if spec.method == "eager" and spec.dtype == spec.reference_dtype == "fp32":  # it is the reference
-            result.update(workloads.eager_fp32_as_reference(batch, loss_value, grad, cache))
+            result.update(losses.eager_fp32_as_reference(batch, loss_value, grad, cache))
         else:
-            result.update(workloads.reference_diffs(workload, batch, loss_value, grad, cache,
-                                                    torch_dtype(spec.reference_dtype)))
+            result.update(losses.reference_diffs(workload, batch, loss_value, grad, cache,
+                                                 torch_dtype(spec.reference_dtype)))
     return result
 
 

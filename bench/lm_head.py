@@ -100,32 +100,32 @@ class HeadSpec:
 
 # ---- the user's code ----------------------------------------------------------------------------
 def ppo_loss(hidden, weight, targets, mask, advantages, old_logp):
-    """The suite's PPO loss (`bench.workloads.ppo_loss`) over the lm_head's logits."""
-    from bench import workloads
+    """The suite's PPO loss (`bench.workloads.losses.ppo_loss`) over the lm_head's logits."""
+    from bench.workloads import losses
 
     logits = torch_functional().linear(hidden, weight)
-    return workloads.ppo_loss(logits, targets, mask, advantages, old_logp, None, TEMPERATURE, ENT_COEF,
-                              workloads.logprob_entropy)
+    return losses.ppo_loss(logits, targets, mask, advantages, old_logp, None, TEMPERATURE, ENT_COEF,
+                           losses.logprob_entropy)
 
 
 def logprob_helper(hidden, weight, targets, temperature):
     """A log-prob helper as TRL, verl and OpenRLHF call one: per-token log-probs of the sampled
     tokens and entropies from hidden states; the loss is computed by the caller."""
-    from bench import workloads
+    from bench.workloads import losses
 
-    return workloads.logprob_entropy(torch_functional().linear(hidden, weight), targets, temperature)
+    return losses.logprob_entropy(torch_functional().linear(hidden, weight), targets, temperature)
 
 
 def ppo_outside(helper=logprob_helper):
     """The PPO loss of `ppo` computed after `helper(hidden, W, targets, temperature)` returns: only
     the helper is compiled, so its backward receives the log-probs' gradients."""
-    from bench import workloads
+    from bench.workloads import losses
 
     def fn(hidden, weight, targets, mask, advantages, old_logp):
         def lp_ent(h, t, temperature):
             return helper(h, weight, t, temperature)
 
-        return workloads.ppo_loss(hidden, targets, mask, advantages, old_logp, None, TEMPERATURE, ENT_COEF, lp_ent)
+        return losses.ppo_loss(hidden, targets, mask, advantages, old_logp, None, TEMPERATURE, ENT_COEF, lp_ent)
 
     return fn
 
@@ -148,7 +148,7 @@ def chunked(loss_kind: str, chunk: int = HAND_CHUNK):
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from bench import workloads
+    from bench.workloads import losses
 
     F = torch_functional()
 
@@ -156,7 +156,7 @@ def chunked(loss_kind: str, chunk: int = HAND_CHUNK):
         logits = F.linear(h, w)
         if loss_kind == "ce":
             return F.cross_entropy(logits.float(), t, reduction="sum"), None
-        return workloads.logprob_entropy(logits, t, TEMPERATURE)
+        return losses.logprob_entropy(logits, t, TEMPERATURE)
 
     def fn(hidden, weight, targets, mask, advantages, old_logp):
         parts = [checkpoint(piece, h, weight, t, use_reentrant=False)
@@ -165,8 +165,8 @@ def chunked(loss_kind: str, chunk: int = HAND_CHUNK):
             return sum(p[0] for p in parts) / targets.numel()
         logp = torch.cat([p[0] for p in parts])
         entropy = torch.cat([p[1] for p in parts])
-        pg = workloads.clipped_surrogate(logp, old_logp, advantages)
-        return workloads.masked_mean(pg, mask) - ENT_COEF * workloads.masked_mean(entropy, mask)
+        pg = losses.clipped_surrogate(logp, old_logp, advantages)
+        return losses.masked_mean(pg, mask) - ENT_COEF * losses.masked_mean(entropy, mask)
 
     return fn
 
@@ -203,7 +203,7 @@ def library_loss(method: str, loss_kind: str, tokens: int):
             return ce(weight, hidden, targets)
 
         return fn
-    from bench.workloads import CLIP
+    from bench.workloads.losses import CLIP
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     # beta 0 and no reference model: the clipped surrogate alone; "bnpo" is the masked token mean.
@@ -345,13 +345,13 @@ def reference(spec: HeadSpec, batch: dict, budget_bytes: int | None = None) -> d
 
 def _float64_loss(workload: str):
     """The workload's math without its `.float()` casts, so float64 stays float64."""
-    from bench import workloads
+    from bench.workloads import losses
 
     F = torch_functional()
 
     def ppo(hidden, weight, targets, mask, advantages, old_logp):
-        return workloads.ppo_loss(F.linear(hidden, weight), targets, mask, advantages, old_logp, None, TEMPERATURE,
-                                  ENT_COEF, workloads.logprob_entropy_exact)
+        return losses.ppo_loss(F.linear(hidden, weight), targets, mask, advantages, old_logp, None, TEMPERATURE,
+                               ENT_COEF, losses.logprob_entropy_exact)
 
     def ce(hidden, weight, targets, mask, advantages, old_logp):
         return F.cross_entropy(F.linear(hidden, weight), targets)

@@ -6,7 +6,7 @@
 
 The measured function is unmodified model code: `logits, _ = output_layer(hidden)` through
 megatron-core's own `ColumnParallelLinear` (`gradient_accumulation_fusion=False`,
-`use_cpu_initialization=True`, no bias, as GPT's output layer), then `bench.tp_losses.ppo_loss`
+`use_cpu_initialization=True`, no bias, as GPT's output layer), then `bench.workloads.tp_losses.ppo_loss`
 of the log-probs of megatron-core's `vocab_parallel_cross_entropy` on a clone of the logits
 (`megatron`, as its callers write it: it overwrites its input) or of the slime-style Function
 (`slime`, entropy with its gradient kept). Each rank holds the same hidden states `[S, B, H]` (a
@@ -79,7 +79,7 @@ def _output_layer(spec: MegatronSpec, world: int):
 
 def _loss_fn(spec: MegatronSpec, layer):
     """The measured function: unmodified model code, output layer then loss."""
-    from bench.tp_losses import ppo_loss, slime_style_logprob_entropy
+    from bench.workloads.tp_losses import ppo_loss, slime_style_logprob_entropy
 
     def megatron(hidden, target, old_log_prob, advantages):
         from megatron.core import tensor_parallel

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from bench import report
 from bench.harness import GiB, Spec, fill_device_and_memory_limit, machine_description, run_isolated
-from bench.methods import METHODS
-from bench.workloads import Workload
+from bench.workloads.losses import Workload
+from bench.workloads.methods import METHODS
 
 MAIN_WORKLOAD = "ppo-t0.7-e0"
 RESULTS = Path(__file__).parent / "results"
@@ -65,21 +65,21 @@ def model_peaks(workload: str, T: int, V: int, dtype: str) -> dict[str, int]:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from bench import workloads
+        from bench.workloads import losses
         from graphpass.config import Config
         from graphpass.memory import estimate_rewrite
         from graphpass.pipeline import rewrite_graph
         from graphpass.records import GraphRecord
 
-        loss = Workload.parse(workload).loss_fn(workloads.logprob_entropy)
+        loss = Workload.parse(workload).loss_fn(losses.logprob_entropy)
 
         def fn(logits, targets, mask, advantages, old_logp, ref_logp):  # a tuple out, as Dynamo's graphs
             return (loss(logits, targets, mask, advantages, old_logp, ref_logp),)
 
         with FakeTensorMode():
-            batch = workloads.make_batch(T, V, getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]),
-                                         "cpu", Workload.parse(workload).temperature)
-        inputs = [batch[k] for k in workloads.BATCH_FIELDS]
+            batch = losses.make_batch(T, V, getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]),
+                                      "cpu", Workload.parse(workload).temperature)
+        inputs = [batch[k] for k in losses.BATCH_FIELDS]
         est = estimate_rewrite(rewrite_graph(torch.fx.symbolic_trace(fn), inputs, Config(), GraphRecord(0)))
         return {"eager": est.before.peak_bytes, "graphpass": est.after.peak_bytes}
     except Exception as exc:  # the model is optional: fall back to measured ratios

@@ -6,7 +6,7 @@
     python -m bench.tp --device cuda   # NCCL ranks, one GPU each (cuda:0, cuda:1)
     python -m bench.tp --code megatron_entropy --T 2048 --dtype fp32 --out bench/results/tp_megatron_entropy.json
 
-The loss is `bench.tp_losses.ppo_loss` on the log-probs of one of the vocab-parallel codes:
+The loss is `bench.workloads.tp_losses.ppo_loss` on the log-probs of one of the vocab-parallel codes:
 `megatron` (megatron-core's `vocab_parallel_cross_entropy`, negated; no entropy), `slime` (a
 slime-style `autograd.Function` with all-reduces; entropy with its gradient kept) and, not in the
 default grid, `megatron_entropy` (verl's Megatron actor: the logits divided by a temperature of
@@ -89,13 +89,13 @@ class TpSpec:
 # ---- the measured loss code ---------------------------------------------------------------------
 # Module-level so that each method compiles the same function; nothing here is changed per method.
 def megatron_loss(logits, target, old_log_prob, advantages):
-    from bench.tp_losses import megatron_logprob, ppo_loss
+    from bench.workloads.tp_losses import megatron_logprob, ppo_loss
 
     return ppo_loss(megatron_logprob(logits, target), old_log_prob, advantages)
 
 
 def slime_loss(logits, target, old_log_prob, advantages):
-    from bench.tp_losses import ppo_loss, slime_style_logprob_entropy
+    from bench.workloads.tp_losses import ppo_loss, slime_style_logprob_entropy
 
     log_prob, entropy = slime_style_logprob_entropy(logits, target, with_entropy=True, with_entropy_grad=True)
     return ppo_loss(log_prob, old_log_prob, advantages, entropy)
@@ -106,9 +106,9 @@ TEMPERATURE = 0.7  # megatron_entropy's sampling temperature
 
 def megatron_entropy_loss(logits, target, old_log_prob, advantages, mask):
     """verl's Megatron actor: the logits divided by the temperature, megatron-core's loss on a clone
-    of them, an entropy Function on them (`bench.tp_losses.VerlStyleEntropy`), PPO with an entropy
+    of them, an entropy Function on them (`bench.workloads.tp_losses.VerlStyleEntropy`), PPO with an entropy
     bonus over the response tokens (`mask`)."""
-    from bench.tp_losses import megatron_logprob_entropy, ppo_loss
+    from bench.workloads.tp_losses import megatron_logprob_entropy, ppo_loss
 
     log_prob, entropy = megatron_logprob_entropy(logits, target, temperature=TEMPERATURE)
     return ppo_loss(log_prob, old_log_prob, advantages, entropy, mask=mask)

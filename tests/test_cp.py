@@ -1,7 +1,7 @@
 """Context parallelism on 2 and 4 gloo ranks: layouts, the four RL losses, eager and compiled.
 
 Every rank holds its rows of the same float64 logits (`graphpass.cp.Layout`); the loss is
-`bench.cp_losses.cp_loss`, written once for one device. Checked per case, on every rank: the loss
+`bench.workloads.cp_losses.cp_loss`, written once for one device. Checked per case, on every rank: the loss
 and this rank's logits gradient against a single-device float64 run (<= 1e-10), eager and compiled
 with graphpass; the CP record (rewritten, the reductions, one all-reduce per dependency level);
 the collectives each rank issued (the same on every rank, none in backward; compiled: all-reduces
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import graphpass
-from bench import cp_losses
+from bench.workloads import cp_losses
 from bench.ranks import RankFailed, collectives, run_ranks
 from graphpass import cp
 
@@ -186,7 +186,7 @@ def _tp_cp(rank, world):
         return cp_losses.gspo(layout.unshard(logp), *args[1:])
 
     def megatron_loss_fn(local_logits, *args):  # megatron-core's own Function, recognised (fp32 inside)
-        from bench.tp_losses import megatron_logprob
+        from bench.workloads.tp_losses import megatron_logprob
 
         logp = megatron_logprob(local_logits, layout.shifted_targets(args[0]).clamp_min(0))
         return cp_losses.gspo(layout.unshard(logp.double()), *args[1:])

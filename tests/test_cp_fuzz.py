@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphpass
-from bench import cp_losses
+from bench.workloads import cp_losses
 from bench.ranks import run_ranks
 from graphpass import cp
 

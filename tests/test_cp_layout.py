@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from bench import cp_losses
+from bench.workloads import cp_losses
 from graphpass import cp
 from graphpass.cp import _rows  # the tables of every rank, without a process group
 

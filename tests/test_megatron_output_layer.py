@@ -30,7 +30,7 @@ import torch.distributed as dist
 import graphpass
 from bench.ranks import run_ranks
 from bench.tp import _profiled
-from bench.tp_losses import slime_style_logprob_entropy
+from bench.workloads.tp_losses import slime_style_logprob_entropy
 from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)
 
 S, B, H, WIDTH, WORLD = 8, 2, 16, 20, 2  # sequence, batch, hidden size, V/tp, tp

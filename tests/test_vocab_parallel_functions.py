@@ -1,7 +1,7 @@
 """Unmodified vocab-parallel Functions compiled with graphpass on 2 and 4 gloo ranks.
 
 megatron-core's `vocab_parallel_cross_entropy` and a slime-style `_VocabParallelLogProbEntropy`
-(`bench.tp_losses`) feed a PPO loss; compiled with graphpass each becomes one
+(`bench.workloads.tp_losses`) feed a PPO loss; compiled with graphpass each becomes one
 `vocab_parallel_logprob_entropy` site with `tp_size` = the group size. Checked per case: values
 and logits gradients against eager and against one device in float64, the site records, and the
 collectives each rank issued (one all-gather per Function call, none in backward, the same on
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import graphpass
 from bench.ranks import collectives, run_ranks
-from bench.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
+from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
 
 T = 24
 WIDTH = {2: 24, 4: 12}  # V/tp

@@ -1,7 +1,7 @@
 """Several vocab-parallel Functions over the same logits become one op (issue 20, item 2).
 
 megatron-core's `vocab_parallel_cross_entropy` on a clone of the logits, as verl's Megatron actor
-calls it, with an entropy Function on the same logits beside it (`bench.tp_losses.VerlStyleEntropy`,
+calls it, with an entropy Function on the same logits beside it (`bench.workloads.tp_losses.VerlStyleEntropy`,
 or the slime-style Function whose log-prob nothing reads), at TP=2 on gloo ranks: graphpass
 replaces each Function by a `vocab_parallel_logprob_entropy` op, absorbs the clone, and merges the
 ops into one (one collective, one gradient of the logits), then absorbs the temperature's division
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import graphpass
 from bench.ranks import run_ranks
 from bench.tp import _profiled
-from bench.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
+from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
 
 T, WIDTH, H, WORLD = 24, 20, 16, 2  # tokens, V/tp, hidden size, tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 3e-2}

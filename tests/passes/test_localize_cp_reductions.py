@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphpass
-from bench import cp_losses
+from bench.workloads import cp_losses
 from graphpass import cp
 
 LENS = [5, 2, 8, 3]  # odd lengths: padding rows in the zigzag layout

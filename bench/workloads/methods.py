@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from bench import workloads
+from bench.workloads import losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +22,13 @@ class Method:
     backend: str | None = None
     inductor_config: tuple[tuple[str, object], ...] = ()
 
-    def build(self, workload: workloads.Workload, compiler: str = "inductor") -> tuple[Callable, Callable[[], dict]]:
+    def build(self, workload: losses.Workload, compiler: str = "inductor") -> tuple[Callable, Callable[[], dict]]:
         """The step function and a callback returning notes about what the method did.
 
         `compiler` replaces inductor as the `inductor` method's backend and graphpass's inner
         compiler (`aot_eager` for a quick smoke run); the auto-chunker is inductor's own.
         """
-        lp_ent = workloads.chunked_logprob_entropy if self.chunked_loop else workloads.logprob_entropy
+        lp_ent = losses.chunked_logprob_entropy if self.chunked_loop else losses.logprob_entropy
         fn = workload.loss_fn(lp_ent)
         if not self.compiled:
             return fn, dict
@@ -102,7 +102,7 @@ METHODS = {
         # because the worker's inductor config was imported before the worker existed.
         Method("autochunk", "inductor + TORCHINDUCTOR_AUTO_CHUNKER=1", compiled=True, backend="inductor",
                inductor_config=(("auto_chunker.enable", True),)),
-        Method("chunked", f"hand-written chunk loop ({workloads.SLIME_CHUNK} rows), eager autograd",
+        Method("chunked", f"hand-written chunk loop ({losses.SLIME_CHUNK} rows), eager autograd",
                chunked_loop=True),
         Method("graphpass", "torch.compile(backend=graphpass.Backend())", compiled=True, backend="graphpass"),
     )
