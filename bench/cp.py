@@ -18,7 +18,7 @@ drawn once from a seed), and the rollout's per-token tensors, the same on every 
   reduces to sums, it all-reduces the sums only (`passes/localize_cp_reductions`).
 
 Per (loss, layout, cp, method): the bytes one rank contributes to collectives in one step,
-forward + backward, read from the collectives it issued (`bench.ranks`); the median step time
+forward + backward, read from the collectives it issued (`bench.harness.ranks`); the median step time
 (forward + backward, each step the slowest rank's); parity of the loss and of this rank's gradient
 with `unshard`'s (slime's gradient divided by cp: its all-reduce's backward sums the gradient over
 ranks that all compute the whole loss, so it comes out cp x the loss's). cp = 8 is counted, not run: slime's bytes are 2 x 4 x R whatever cp; graphpass's
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from bench.workloads import cp_losses
-from bench.harness import machine_description, provenance
+from bench.harness.isolate import machine_description, provenance
 
 METHODS = ("slime", "unshard", "graphpass")
 LOSSES = cp_losses.LOSSES + (cp_losses.LOGGED,)
@@ -124,7 +124,7 @@ def _rank(rank: int, world: int, spec: CpSpec, kind: str) -> dict:
     import torch.distributed as dist
 
     import graphpass
-    from bench.ranks import collectives, device, synchronize
+    from bench.harness.ranks import collectives, device, synchronize
     from graphpass import cp
 
     lens, _ = spec.lengths()
@@ -184,7 +184,7 @@ def _rank(rank: int, world: int, spec: CpSpec, kind: str) -> dict:
 
 # ---- the grid -------------------------------------------------------------------------------------
 def run(spec: CpSpec, kinds=LAYOUTS, cps=RUN_CP) -> list[dict]:
-    from bench.ranks import backend_for, run_ranks
+    from bench.harness.ranks import backend_for, run_ranks
     from graphpass import cp
 
     lens, _ = spec.lengths()

@@ -8,7 +8,7 @@ under no_grad, and compares the full next-token distributions at temperature 2: 
 token-mean forward KL(teacher || student); `jsd`, TRL GKD's generalised Jensen-Shannon divergence
 (beta 0.5, its mixture a logsumexp over the stacked pair). The floor is the bytes of the
 gradients backward must produce, the student's `hidden.grad + W.grad`. Each (loss, dtype,
-method) runs in its own forked process (`bench.harness.run_isolated`): peak bytes above the
+method) runs in its own forked process (`bench.harness.isolate.run_isolated`): peak bytes above the
 pre-step baseline, median step time, and the loss and both student gradients against float64 on
 the same (rounded) inputs (`|rel|`: max abs difference over the reference's max abs value).
 """
@@ -22,7 +22,7 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.harness import default_device, machine_description, run_isolated, timed_steps, torch_dtype
+from bench.harness.isolate import default_device, machine_description, run_isolated, timed_steps, torch_dtype
 
 RESULTS = Path(__file__).parent / "results"
 LOSSES = ("fkl", "jsd")

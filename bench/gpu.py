@@ -16,7 +16,7 @@ stand-in and graphpass's inner compiler), `liger` (Liger-Kernel's fused linear c
 its fused linear GRPO loss for PPO), `cce` (cut-cross-entropy, cross-entropy only); a method that
 does not import or apply is recorded with the reason.
 
-Each (case, method) runs in its own forked worker (`bench.harness.run_isolated`): peak =
+Each (case, method) runs in its own forked worker (`bench.harness.isolate.run_isolated`): peak =
 `max_memory_allocated` above the inputs after `reset_peak_memory_stats` (and as a multiple of the
 floor), time = median of a few steps timed with CUDA events after one warm-up step, parity =
 relative error (max abs difference over the reference's max abs value) of the loss and each
@@ -40,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import harness, lm_head
+from bench import lm_head
+from bench.harness import isolate
 
 RESULTS = Path(__file__).parent / "results" / "gpu.json"
 
@@ -61,7 +62,7 @@ class Case:
 
     @property
     def floor_bytes(self) -> int:
-        itemsize = harness.DTYPE_BYTES[self.dtype]
+        itemsize = isolate.DTYPE_BYTES[self.dtype]
         return (self.T + self.V) * self.H * itemsize if self.kind == "lm_head" else self.T * self.V * itemsize
 
 
@@ -97,7 +98,7 @@ def spec_for(case: Case, method: str, args):
     if case.kind == "lm_head":
         return lm_head.HeadSpec(case.workload, method, case.T, case.H, case.V, case.dtype, inner=args.compiler,
                                 **common)
-    return harness.Spec(case.workload, method, case.T, case.V, case.dtype, sol=args.sol, compiler=args.compiler,
+    return isolate.Spec(case.workload, method, case.T, case.V, case.dtype, sol=args.sol, compiler=args.compiler,
                         reference_dtype="fp64", **common)
 
 
@@ -106,7 +107,7 @@ def measure(spec) -> dict:
     import torch
 
     try:
-        return (lm_head.measure if isinstance(spec, lm_head.HeadSpec) else harness.measure)(spec)
+        return (lm_head.measure if isinstance(spec, lm_head.HeadSpec) else isolate.measure)(spec)
     except Exception as exc:
         # Raised inside a compiled call, the allocator's error can arrive wrapped by Dynamo.
         if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
@@ -117,7 +118,7 @@ def measure(spec) -> dict:
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
-        note += f" (max_memory_allocated {peak / harness.GiB:.1f} GiB when it failed)"
+        note += f" (max_memory_allocated {peak / isolate.GiB:.1f} GiB when it failed)"
     return dict(status="OOM", note=note)
 
 
@@ -171,7 +172,7 @@ def run(args, write) -> list[dict]:
                 row.update(status="skipped", note=f"--budget-s {args.budget_s:g} spent ({left:.0f} s left)")
             else:
                 timeout = min(args.timeout, left)
-                got = harness.run_isolated(spec, timeout_s=timeout, measure_fn=measure)
+                got = isolate.run_isolated(spec, timeout_s=timeout, measure_fn=measure)
                 row.update({k: v for k, v in got.items() if k not in row}, status=got["status"])
                 if got["status"] == "timeout" and timeout < args.timeout:
                     row["note"] += " (the rest of --budget-s)"
@@ -278,8 +279,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench.gpu: no CUDA device here (python -m bench.gpu --cpu-smoke runs the same code on the CPU)")
         return 2
-    machine = harness.machine_description()
-    provenance = harness.provenance()
+    machine = isolate.machine_description()
+    provenance = isolate.provenance()
     provenance["commit"] = args.commit or provenance["commit"]
     header = dict(machine=machine, versions=versions(), **provenance,
                   command=" ".join(["python -m bench.gpu", *(argv if argv is not None else sys.argv[1:])]),

@@ -40,8 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import (GiB, CpuMeter, CudaMeter, _timed, fill_device_and_memory_limit, machine_description,
-                           run_isolated)
+from bench.harness.isolate import (GiB, CpuMeter, CudaMeter, _timed, fill_device_and_memory_limit, machine_description,
+                                   run_isolated)
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = ("ppo", "ppo_outside", "ce")
@@ -291,7 +291,7 @@ def make_inputs(spec: HeadSpec) -> dict:
     drawn on the spec's device by its own generator (fast on a GPU; other values than the CPU's)."""
     import torch
 
-    from bench.harness import torch_dtype
+    from bench.harness.isolate import torch_dtype
 
     dtype, device = torch_dtype(spec.dtype), spec.device
     gen = torch.Generator(device=device).manual_seed(spec.seed)

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import machine_description, provenance
+from bench.harness.isolate import machine_description, provenance
 from bench.tp import TpSpec
 
 CODES = ("megatron", "slime")
@@ -112,7 +112,7 @@ def _inputs(spec: MegatronSpec):
 
 
 def run_config(rank: int, world: int, spec: MegatronSpec) -> dict:
-    """The rank's body (through `bench.ranks.run_ranks`): every method of `spec` on the same inputs."""
+    """The rank's body (through `bench.harness.ranks.run_ranks`): every method of `spec` on the same inputs."""
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's and Dynamo's chatter, once per rank
@@ -135,7 +135,7 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
     import torch
     import torch.distributed as dist
 
-    from bench.harness import CpuMeter
+    from bench.harness.isolate import CpuMeter
     from bench.tp import _graphpass_summary, _max_rel_diff, _profiled, _set_malloc
 
     pinned = _set_malloc(2**20, 128 * 2**10)  # before the first large allocation: see bench.tp.run_config
@@ -246,7 +246,7 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
 # ---- the parent -----------------------------------------------------------------------------------
 def run(spec: MegatronSpec, world: int = TP) -> list[dict]:
     """One row per method of `spec` (status "error" for all when the spawn failed)."""
-    from bench.ranks import RankFailed, run_ranks
+    from bench.harness.ranks import RankFailed, run_ranks
 
     from bench.tp import _timeout_s
 

@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import report
-from bench.harness import Spec, machine_description, run_isolated
+from bench.harness import report
+from bench.harness.isolate import Spec, machine_description, run_isolated
 
 WORKLOAD = "ppo-t0.7-e0"
 METHODS = ("eager", "inductor", "graphpass")

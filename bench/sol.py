@@ -8,7 +8,7 @@ yields each row's log-sum-exp (an online max / sum-exp, whatever else the loss n
 read); backward, one read of the logits and one write of their gradient. Both passes are compiled
 by inductor into one fused kernel each (`forward_pass`, `backward_pass`) and timed like a method
 (median over steps after a warm-up; CUDA events on a GPU), each configuration in its own forked
-worker (`bench.harness.run_isolated`). Inductor's CPU kernel reads a row twice (its max, then its
+worker (`bench.harness.isolate.run_isolated`). Inductor's CPU kernel reads a row twice (its max, then its
 sum): on a CPU the forward is also timed over row blocks that fit in the last-level cache, where
 the second read is not from memory, and the faster of the two counts. A method's "x SoL" is its step time over `sol_s`, the sum
 of the two, measured in the same run. The backward pass writes a new tensor each call, as a
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import Spec, _timed, default_device, machine_description, provenance, run_isolated, torch_dtype
+from bench.harness.isolate import Spec, _timed, default_device, machine_description, provenance, run_isolated, torch_dtype
 
 GRID_T = (1024, 4096, 16384)
 GRID_V = (32768, 151936)
@@ -150,7 +150,7 @@ def run(T=GRID_T, V=GRID_V, dtypes=DTYPES, device: str | None = None, steps: int
         timeout_s: float = 600) -> list[dict]:
     """SoL of every configuration (on `device`, None: `default_device()`, as the suite), each in
     its own worker; skipped where the logits and their gradient would not fit in half the RAM."""
-    from bench.harness import DTYPE_BYTES, total_ram_bytes
+    from bench.harness.isolate import DTYPE_BYTES, total_ram_bytes
 
     device = device or default_device()
     rows = []

@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import report
-from bench.harness import GiB, Spec, fill_device_and_memory_limit, machine_description, run_isolated
+from bench.harness import report
+from bench.harness.isolate import GiB, Spec, fill_device_and_memory_limit, machine_description, run_isolated
 from bench.workloads.losses import Workload
 from bench.workloads.methods import METHODS
 

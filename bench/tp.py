@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import DTYPE_BYTES, machine_description, provenance
+from bench.harness.isolate import DTYPE_BYTES, machine_description, provenance
 
 CODES = ("megatron", "slime", "megatron_entropy")
 DEFAULT_CODES = ("megatron", "slime")
@@ -129,8 +129,8 @@ def _inputs(spec: TpSpec, rank: int, world: int):
     """
     import torch
 
-    from bench.harness import torch_dtype
-    from bench.ranks import device
+    from bench.harness.isolate import torch_dtype
+    from bench.harness.ranks import device
 
     dtype = torch_dtype(spec.dtype)
     width = spec.V // world
@@ -202,7 +202,7 @@ def _graphpass_summary(backend, world: int) -> dict:
 def _profiled(step) -> list[str]:
     """Run `step` once under the profiler; the collectives it issued at the process group, in order.
 
-    `bench.ranks.collectives()` sees calls through `torch.distributed`'s Python functions: eager
+    `bench.harness.ranks.collectives()` sees calls through `torch.distributed`'s Python functions: eager
     code and graphpass's op, not the functional collectives that compiled code calls from its
     graph. The profiler's events named after the backend (`gloo:all_reduce`, `nccl:all_reduce`)
     are every path's collectives as the process group runs them, so this one count serves every
@@ -229,7 +229,7 @@ def _profiled(step) -> list[str]:
 
 
 def run_config(rank: int, world: int, spec: TpSpec) -> dict:
-    """The rank's body (through `bench.ranks.run_ranks`): every method of `spec` on the same inputs.
+    """The rank's body (through `bench.harness.ranks.run_ranks`): every method of `spec` on the same inputs.
 
     One spawn per configuration (code, T, dtype) for all its methods: the inputs are built and each
     compile paid once per rank, and eager's loss and gradient are the parity reference in the same
@@ -293,8 +293,8 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     import torch
     import torch.distributed as dist
 
-    from bench.harness import CpuMeter, CudaMeter
-    from bench.ranks import collectives, device, synchronize
+    from bench.harness.isolate import CpuMeter, CudaMeter
+    from bench.harness.ranks import collectives, device, synchronize
 
     # Before the first large allocation: see run_config.
     pinned = _set_malloc(2**20, 128 * 2**10)
@@ -435,7 +435,7 @@ def _row_base(spec: TpSpec, world: int) -> dict:
 
 def run(spec: TpSpec, world: int = TP) -> list[dict]:
     """One row per method of `spec` (status "error" for all when the spawn failed)."""
-    from bench.ranks import RankFailed, backend_for, run_ranks
+    from bench.harness.ranks import RankFailed, backend_for, run_ranks
 
     base = _row_base(spec, world)
     started = time.monotonic()

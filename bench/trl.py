@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import GiB, CpuMeter, _timed, machine_description, provenance, run_isolated
+from bench.harness.isolate import GiB, CpuMeter, _timed, machine_description, provenance, run_isolated
 
 METHODS = ("eager", "graphpass")
 MAX_PEAK_RATIO = 0.25

@@ -63,8 +63,8 @@ for name, value in dict(is_available=True, device_count=1, is_initialized=False,
                         current_device=0, set_device=None, synchronize=None, mem_get_info=(0, 0),
                         is_bf16_supported=True, current_stream=None).items():
     setattr(torch.cuda, name, probe(name, value))
-import bench.preload
-print([m for m in bench.preload.PRELOAD if m not in sys.modules], calls)  # nothing missing, no call
+import bench.harness.preload
+print([m for m in bench.harness.preload.PRELOAD if m not in sys.modules], calls)  # nothing missing, no call
 """
 
 

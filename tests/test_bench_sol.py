@@ -32,8 +32,8 @@ def test_bench_sol_measures_a_tiny_configuration_in_a_worker():
 def test_each_step_is_paired_with_a_sol_step_in_the_same_worker():
     import statistics
 
-    from bench import report
-    from bench.harness import Spec, run_isolated
+    from bench.harness import report
+    from bench.harness.isolate import Spec, run_isolated
 
     spec = Spec("ppo-t0.7-e0", "eager", 64, 512, "fp32", steps=3, time_budget_s=5, reference=False)
     row = run_isolated(spec, timeout_s=300)

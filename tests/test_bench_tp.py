@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from bench import tp
-from bench.ranks import run_ranks
+from bench.harness.ranks import run_ranks
 
 
 @pytest.mark.parametrize("code", ["slime", "megatron", "megatron_entropy"])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import graphpass
 from bench.workloads import cp_losses
-from bench.ranks import RankFailed, collectives, run_ranks
+from bench.harness.ranks import RankFailed, collectives, run_ranks
 from graphpass import cp
 
 LENS = {2: [9, 3, 14, 2, 7], 4: [9, 3, 14, 2, 7, 5]}

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import graphpass
 from bench.workloads import cp_losses
-from bench.ranks import run_ranks
+from bench.harness.ranks import run_ranks
 from graphpass import cp
 
 ROW_OPS = ("exp_ratio", "times_adv", "clamp", "where_mask", "square", "neg", "plus_second", "pair_sum", "over_len",

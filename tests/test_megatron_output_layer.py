@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import graphpass
-from bench.ranks import run_ranks
+from bench.harness.ranks import run_ranks
 from bench.tp import _profiled
 from bench.workloads.tp_losses import slime_style_logprob_entropy
 from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)

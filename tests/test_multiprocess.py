@@ -1,4 +1,4 @@
-"""The multi-process harness (`bench.ranks`): results in rank order, a rank's exception re-raised
+"""The multi-process harness (`bench.harness.ranks`): results in rank order, a rank's exception re-raised
 with its traceback, a hung rank killed at the deadline, and each rank's collectives logged."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench import ranks
-from bench.ranks import RankFailed, collective_log, collectives, run_ranks
+from bench.harness import ranks
+from bench.harness.ranks import RankFailed, collective_log, collectives, run_ranks
 
 
 def _work(rank, world_size):

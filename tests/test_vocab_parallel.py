@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives, run_ranks
 from graphpass import _torch_api
 from graphpass.ops import vocab_parallel_logprob_entropy
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import graphpass
-from bench.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives, run_ranks
 from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
 
 T = 24

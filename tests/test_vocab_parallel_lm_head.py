@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphpass
-from bench.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives, run_ranks
 from bench.workloads.tp_losses import megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
 from test_vocab_parallel_functions import _funcol_logprob  # tests/ is on sys.path (also in the ranks)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphpass
-from bench.ranks import run_ranks
+from bench.harness.ranks import run_ranks
 from bench.tp import _profiled
 from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
 

@@ -1,8 +1,8 @@
 """Run one (workload, method, shape, dtype) in a fresh process and measure it.
 
 Parent side: `run_isolated(spec)` forks a worker from a server that has imported torch and the
-compilers once, with a timeout, and returns the worker's result (`python -m bench.harness --worker
-SPEC` runs one by hand). Worker side: build inputs, warm up (compile), then per timed
+compilers once, with a timeout, and returns the worker's result (`python -m bench.harness.isolate
+--worker SPEC` runs one by hand). Worker side: build inputs, warm up (compile), then per timed
 step measure the peak bytes above the pre-step baseline and the wall time, then compare the last
 step's loss and logits.grad with an eager fp32 reference.
 """
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 RESULT_TAG = "BENCH_RESULT "
 GiB = 2**30
 
@@ -105,7 +105,7 @@ def _fork_server():
         # which leaves the forked workers able to initialise CUDA themselves.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload(["bench.preload"])  # PRELOAD, each import's failure left to the worker
+        _server.set_forkserver_preload(["bench.harness.preload"])  # PRELOAD, each import's failure left to the worker
     return _server
 
 
@@ -184,7 +184,7 @@ def provenance() -> dict:
     """The commit measured and the files that differed from it (graphpass, passes, bench)."""
     import subprocess
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parent.parent.parent
 
     def git(*args):
         try:

@@ -1,4 +1,4 @@
-"""The fork server's one preload (`bench.harness`): it imports `harness.PRELOAD` once for every worker.
+"""The fork server's one preload (`bench.harness.isolate`): it imports `isolate.PRELOAD` once for every worker.
 
 The fork server itself swallows only an ImportError of a preloaded module; any other exception
 kills it, and with it every worker of the run (graphpass's or not; seen with a module raising a
@@ -8,7 +8,7 @@ again, which then reports the error as its result.
 
 import importlib
 
-from bench.harness import PRELOAD
+from bench.harness.isolate import PRELOAD
 
 for _name in PRELOAD:
     try:
