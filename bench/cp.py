@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from bench.workloads import cp_losses
-from bench.harness.isolate import machine_description, provenance
+from bench.harness.machine_info import machine_description, provenance
 
 METHODS = ("slime", "unshard", "graphpass")
 LOSSES = cp_losses.LOSSES + (cp_losses.LOGGED,)

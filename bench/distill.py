@@ -22,7 +22,10 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.harness.isolate import default_device, machine_description, run_isolated, timed_steps, torch_dtype
+from bench.harness.isolate import run_isolated
+from bench.harness.machine_info import default_device, machine_description
+from bench.harness.meters import timed_steps
+from bench.harness.spec import torch_dtype
 
 RESULTS = Path(__file__).parent / "results"
 LOSSES = ("fkl", "jsd")

@@ -9,12 +9,12 @@ output layer of V = 248320 (a public TRL comparison on an H100: reference 47.6 G
 CCE 3.09 GB); `gemma2_ce`, Gemma-2's 8192 x 256000 x 2304 (CCE's paper: 28 GB -> 1.16 GB; plain
 cross-entropy here, without Gemma's logit soft-cap); `logits_ppo`, the PPO step over given logits
 `[32768, 151936]`. The lm_head cases run `bench.lm_head`'s worker (floor: `hidden.grad +
-W.grad`; the loss and both whole gradients against float64), the logits case `bench.harness`'s
-(floor: `logits.grad`; the loss over all rows and `logits.grad` on the first and last row
-blocks against float64). Methods: `eager`, `inductor`, `graphpass` (`--compiler` is inductor's
-stand-in and graphpass's inner compiler), `liger` (Liger-Kernel's fused linear cross-entropy, or
-its fused linear GRPO loss for PPO), `cce` (cut-cross-entropy, cross-entropy only); a method that
-does not import or apply is recorded with the reason.
+W.grad`; the loss and both whole gradients against float64), the logits case
+`bench.harness.measure`'s (floor: `logits.grad`; the loss over all rows and `logits.grad` on the
+first and last row blocks against float64). Methods: `eager`, `inductor`, `graphpass`
+(`--compiler` is inductor's stand-in and graphpass's inner compiler), `liger` (Liger-Kernel's
+fused linear cross-entropy, or its fused linear GRPO loss for PPO), `cce` (cut-cross-entropy,
+cross-entropy only); a method that does not import or apply is recorded with the reason.
 
 Each (case, method) runs in its own forked worker (`bench.harness.isolate.run_isolated`): peak =
 `max_memory_allocated` above the inputs after `reset_peak_memory_stats` (and as a multiple of the
@@ -40,8 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench.harness.measure
 from bench import lm_head
-from bench.harness import isolate
+from bench.harness import machine_info
+from bench.harness.isolate import run_isolated
+from bench.harness.spec import DTYPE_BYTES, Spec
 
 RESULTS = Path(__file__).parent / "results" / "gpu.json"
 
@@ -62,7 +65,7 @@ class Case:
 
     @property
     def floor_bytes(self) -> int:
-        itemsize = isolate.DTYPE_BYTES[self.dtype]
+        itemsize = DTYPE_BYTES[self.dtype]
         return (self.T + self.V) * self.H * itemsize if self.kind == "lm_head" else self.T * self.V * itemsize
 
 
@@ -98,16 +101,16 @@ def spec_for(case: Case, method: str, args):
     if case.kind == "lm_head":
         return lm_head.HeadSpec(case.workload, method, case.T, case.H, case.V, case.dtype, inner=args.compiler,
                                 **common)
-    return isolate.Spec(case.workload, method, case.T, case.V, case.dtype, sol=args.sol, compiler=args.compiler,
-                        reference_dtype="fp64", **common)
+    return Spec(case.workload, method, case.T, case.V, case.dtype, sol=args.sol, compiler=args.compiler,
+                reference_dtype="fp64", **common)
 
 
 def measure(spec) -> dict:
-    """The worker: `bench.lm_head`'s or `bench.harness`'s measurement; an OOM becomes status "OOM"."""
+    """The worker: `bench.lm_head`'s or `bench.harness.measure`'s measurement; an OOM becomes status "OOM"."""
     import torch
 
     try:
-        return (lm_head.measure if isinstance(spec, lm_head.HeadSpec) else isolate.measure)(spec)
+        return (lm_head.measure if isinstance(spec, lm_head.HeadSpec) else bench.harness.measure.measure)(spec)
     except Exception as exc:
         # Raised inside a compiled call, the allocator's error can arrive wrapped by Dynamo.
         if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
@@ -118,13 +121,13 @@ def measure(spec) -> dict:
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
-        note += f" (max_memory_allocated {peak / isolate.GiB:.1f} GiB when it failed)"
+        note += f" (max_memory_allocated {peak / machine_info.GiB:.1f} GiB when it failed)"
     return dict(status="OOM", note=note)
 
 
 def parity(row: dict) -> dict:
     """Relative errors of the loss and gradients against float64, the worst, and whether it is within tolerance."""
-    if "parity" not in row and "ref_loss" in row:  # bench.harness reports absolute differences
+    if "parity" not in row and "ref_loss" in row:  # bench.harness.measure reports absolute differences
         row["loss_rel"] = row["loss_diff"] / max(abs(row["ref_loss"]), 1e-30)
         row["logits_grad_rel"] = row["grad_diff"] / max(row["ref_grad_max"], 1e-30)
         row["parity"] = max(row["loss_rel"], row["logits_grad_rel"])
@@ -172,7 +175,7 @@ def run(args, write) -> list[dict]:
                 row.update(status="skipped", note=f"--budget-s {args.budget_s:g} spent ({left:.0f} s left)")
             else:
                 timeout = min(args.timeout, left)
-                got = isolate.run_isolated(spec, timeout_s=timeout, measure_fn=measure)
+                got = run_isolated(spec, timeout_s=timeout, measure_fn=measure)
                 row.update({k: v for k, v in got.items() if k not in row}, status=got["status"])
                 if got["status"] == "timeout" and timeout < args.timeout:
                     row["note"] += " (the rest of --budget-s)"
@@ -279,8 +282,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench.gpu: no CUDA device here (python -m bench.gpu --cpu-smoke runs the same code on the CPU)")
         return 2
-    machine = isolate.machine_description()
-    provenance = isolate.provenance()
+    machine = machine_info.machine_description()
+    provenance = machine_info.provenance()
     provenance["commit"] = args.commit or provenance["commit"]
     header = dict(machine=machine, versions=versions(), **provenance,
                   command=" ".join(["python -m bench.gpu", *(argv if argv is not None else sys.argv[1:])]),

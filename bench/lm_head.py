@@ -19,7 +19,7 @@ only); `chunked` (a hand-written loop over token chunks, each chunk's head and l
 default list: `bench.gpu` runs them), `liger` (Liger-Kernel's `LigerFusedLinearCrossEntropyLoss`
 for `ce`, its chunked `LigerFusedLinearGRPOLoss` for `ppo`) and `cce` (Apple's cut-cross-entropy
 `linear_cross_entropy`; `ce` only). Each (workload, T, H, V, dtype, method) runs in
-its own forked process (`bench.harness`): peak bytes above the pre-step baseline (`VmHWM` after
+its own forked process (`bench.harness.isolate`): peak bytes above the pre-step baseline (`VmHWM` after
 `clear_refs` on CPU, glibc's mmap threshold pinned to 1 MiB; `max_memory_allocated` on CUDA),
 median step time, and the loss and both gradients against float64 on the same (rounded) inputs,
 in row blocks (`|rel|` = max abs difference over the reference's max abs value, the worst of
@@ -40,8 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness.isolate import (GiB, CpuMeter, CudaMeter, _timed, fill_device_and_memory_limit, machine_description,
-                                   run_isolated)
+from bench.harness.isolate import run_isolated
+from bench.harness.machine_info import GiB, fill_device_and_memory_limit, machine_description
+from bench.harness.meters import CpuMeter, CudaMeter, _timed
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = ("ppo", "ppo_outside", "ce")
@@ -291,7 +292,7 @@ def make_inputs(spec: HeadSpec) -> dict:
     drawn on the spec's device by its own generator (fast on a GPU; other values than the CPU's)."""
     import torch
 
-    from bench.harness.isolate import torch_dtype
+    from bench.harness.spec import torch_dtype
 
     dtype, device = torch_dtype(spec.dtype), spec.device
     gen = torch.Generator(device=device).manual_seed(spec.seed)

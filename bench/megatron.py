@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness.isolate import machine_description, provenance
+from bench.harness.machine_info import machine_description, provenance
 from bench.tp import TpSpec
 
 CODES = ("megatron", "slime")
@@ -135,7 +135,7 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
     import torch
     import torch.distributed as dist
 
-    from bench.harness.isolate import CpuMeter
+    from bench.harness.meters import CpuMeter
     from bench.tp import _graphpass_summary, _max_rel_diff, _profiled, _set_malloc
 
     pinned = _set_malloc(2**20, 128 * 2**10)  # before the first large allocation: see bench.tp.run_config

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from bench.harness import report
-from bench.harness.isolate import Spec, machine_description, run_isolated
+from bench.harness.isolate import run_isolated
+from bench.harness.machine_info import machine_description
+from bench.harness.spec import Spec
 
 WORKLOAD = "ppo-t0.7-e0"
 METHODS = ("eager", "inductor", "graphpass")

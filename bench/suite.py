@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from bench.harness import report
-from bench.harness.isolate import GiB, Spec, fill_device_and_memory_limit, machine_description, run_isolated
+from bench.harness.isolate import run_isolated
+from bench.harness.machine_info import GiB, fill_device_and_memory_limit, machine_description
+from bench.harness.spec import Spec
 from bench.workloads.losses import Workload
 from bench.workloads.methods import METHODS
 

@@ -41,7 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness.isolate import DTYPE_BYTES, machine_description, provenance
+from bench.harness.machine_info import machine_description, provenance
+from bench.harness.spec import DTYPE_BYTES
 
 CODES = ("megatron", "slime", "megatron_entropy")
 DEFAULT_CODES = ("megatron", "slime")
@@ -129,7 +130,7 @@ def _inputs(spec: TpSpec, rank: int, world: int):
     """
     import torch
 
-    from bench.harness.isolate import torch_dtype
+    from bench.harness.spec import torch_dtype
     from bench.harness.ranks import device
 
     dtype = torch_dtype(spec.dtype)
@@ -238,7 +239,7 @@ def run_config(rank: int, world: int, spec: TpSpec) -> dict:
     cannot serve both measurements:
 
     * peak memory first, with glibc's mmap threshold pinned to 1 MiB from the rank's start
-      (`mallopt`; `bench.harness` pins it with `MALLOC_MMAP_THRESHOLD_` for the single-device
+      (`mallopt`; `bench.harness.isolate` pins it with `MALLOC_MMAP_THRESHOLD_` for the single-device
       bench): every buffer of 1 MiB or more is mapped on allocation and unmapped on free, so RSS
       tracks live tensor bytes; VmHWM is reset (`CpuMeter.reset`: gc, malloc_trim, clear_refs)
       right before each step, every earlier step's outputs dropped. (It has to come first: once
@@ -293,7 +294,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     import torch
     import torch.distributed as dist
 
-    from bench.harness.isolate import CpuMeter, CudaMeter
+    from bench.harness.meters import CpuMeter, CudaMeter
     from bench.harness.ranks import collectives, device, synchronize
 
     # Before the first large allocation: see run_config.

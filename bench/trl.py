@@ -29,7 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness.isolate import GiB, CpuMeter, _timed, machine_description, provenance, run_isolated
+from bench.harness.isolate import run_isolated
+from bench.harness.machine_info import GiB, machine_description, provenance
+from bench.harness.meters import CpuMeter, _timed
 
 METHODS = ("eager", "graphpass")
 MAX_PEAK_RATIO = 0.25

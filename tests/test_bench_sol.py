@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from bench import sol
+from bench.harness import sol_passes
 
 
 def test_the_two_passes_compute_the_lse_and_the_logprob_gradient():
@@ -14,11 +15,11 @@ def test_the_two_passes_compute_the_lse_and_the_logprob_gradient():
     logits = torch.randn(5, 11, generator=g, dtype=torch.float64)
     target = torch.randint(0, 11, (5,), generator=g)
     weight = torch.randn(5, generator=g, dtype=torch.float64)
-    lse = sol.forward_pass(logits, 0.7)
+    lse = sol_passes.forward_pass(logits, 0.7)
     torch.testing.assert_close(lse, (logits.float() / 0.7).logsumexp(-1))
     x = logits.clone().requires_grad_()
     (torch.log_softmax(x / 0.7, -1).gather(1, target[:, None])[:, 0] * weight).sum().backward()
-    torch.testing.assert_close(sol.backward_pass(logits, lse, target, weight, 0.7), x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sol_passes.backward_pass(logits, lse, target, weight, 0.7), x.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_bench_sol_measures_a_tiny_configuration_in_a_worker():
@@ -33,7 +34,8 @@ def test_each_step_is_paired_with_a_sol_step_in_the_same_worker():
     import statistics
 
     from bench.harness import report
-    from bench.harness.isolate import Spec, run_isolated
+    from bench.harness.isolate import run_isolated
+    from bench.harness.spec import Spec
 
     spec = Spec("ppo-t0.7-e0", "eager", 64, 512, "fp32", steps=3, time_budget_s=5, reference=False)
     row = run_isolated(spec, timeout_s=300)
