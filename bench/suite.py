@@ -210,7 +210,7 @@ def parse_args(argv=None):
                         "worker's first call from that cache (warm) (slower run)")
     p.add_argument("--no-model", action="store_true", help="predict from measured ratios only")
     p.add_argument("--no-sol", action="store_true",
-                   help="do not time the speed of light (bench.sol) after each step for x SoL")
+                   help="do not time the speed of light (bench.harness.sol_passes) after each step for x SoL")
     p.add_argument("--timeout", type=float, default=300, help="base seconds per worker before it is killed")
     args = p.parse_args(argv)
     fill_device_and_memory_limit(args)
