@@ -46,13 +46,13 @@ from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, 
                                                 match_graph, match_token_loss, single_device_kinds,
                                                 values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of, written_inputs
-from graphpass.lint import _INPLACE_ALL_REDUCE_FRAMES as INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
+from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
 from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord
 
 # The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
-from .chunk_rowwise_regions import _add_gradient_carrier, _coefficients
+from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
 
 aten = torch.ops.aten
 
@@ -502,7 +502,7 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
         return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, op)
 
     with graph.inserting_before(summed.place.next):
-        seeds = _coefficients(graph, summed, fake_mode, {})
+        seeds = loss_coefficients(graph, summed, fake_mode, {})
         sides = [node(aten.reshape.default, s, [-1] if per_row else []) for s, per_row in zip(loss.sides, loss.per_row)]
         dtype = outputs[0].meta["val"].dtype
         key = register_loss(loss.program, dtype, [(s.meta["val"].dtype, p) for s, p in zip(loss.sides, loss.per_row)],
@@ -515,7 +515,7 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
         old.replace_all_uses_with(items[old.args[1]])
         graph.erase_node(old)
     graph.erase_node(op)
-    _add_gradient_carrier(graph, summed.sink, items[2], fake_mode)
+    add_gradient_carrier(graph, summed.sink, items[2], fake_mode)
     # The op goes after the last value its loss math reads; its readers come after it.
     _torch_api.stable_topological_sort(graph)
     val = hidden.meta["val"]
