@@ -20,7 +20,7 @@ from graphpass.analysis.regions import stack_frames
 log = logging.getLogger("graphpass")
 
 # Frames of Dynamo's remapping of `dist.all_reduce` to the functional op (torch 2.13).
-_INPLACE_ALL_REDUCE_FRAMES = ("all_reduce_inplace", "_remapped_allreduce")
+INPLACE_ALL_REDUCE_FRAMES = ("all_reduce_inplace", "_remapped_allreduce")
 
 _warned: set[str] = set()
 
@@ -49,7 +49,7 @@ def _is_differentiable_inplace_all_reduce(node) -> bool:
     if getattr(node.target, "overloadpacket", node.target) not in (collectives.all_reduce, collectives.all_reduce_):
         return False
     trace = node.meta.get("stack_trace") or ""
-    if not any(frame in trace for frame in _INPLACE_ALL_REDUCE_FRAMES):
+    if not any(frame in trace for frame in INPLACE_ALL_REDUCE_FRAMES):
         return False  # written as a functional collective: its backward is the user's choice
     value = node.meta.get("example_value")
     return isinstance(value, torch.Tensor) and value.requires_grad

@@ -353,7 +353,7 @@ def _replace(graph, site: _Site, replaced: dict):
                 op.meta["val"] = [o.meta["val"] for o in region.outputs] + program.empty_saved(wide)
         else:
             needs_grad = site.needs_grad  # the gradients its backward kernel was traced for
-            seeds = _coefficients(graph, loss, fake_mode, replaced)
+            seeds = loss_coefficients(graph, loss, fake_mode, replaced)
             op = graph.call_function(torch.ops.graphpass.rowwise_chunked_with_gradients.default,
                                      (program.key, tensors, sizes, needs_grad, seeds))
             with fake_mode:
@@ -374,7 +374,7 @@ def _replace(graph, site: _Site, replaced: dict):
             gradient_carrier = graph.call_function(operator.getitem, (op, len(outs)))
             gradient_carrier.meta["val"] = op.meta["val"][len(outs)]
     if loss is not None:
-        _add_gradient_carrier(graph, replaced.get(loss.sink, loss.sink), gradient_carrier, fake_mode)
+        add_gradient_carrier(graph, replaced.get(loss.sink, loss.sink), gradient_carrier, fake_mode)
         for total in loss.totals:
             graph.erase_node(total)
     for node in reversed(region.nodes):
@@ -384,7 +384,7 @@ def _replace(graph, site: _Site, replaced: dict):
             graph.erase_node(node)
 
 
-def _coefficients(graph, loss: SummedLoss, fake_mode, replaced) -> list:
+def loss_coefficients(graph, loss: SummedLoss, fake_mode, replaced) -> list:
     """Nodes computing each total's coefficient in the sink, d sink / d total, by reverse mode over
     the affine steps from the factors outside the region (the op's seeds: what autograd would
     send each total for a sink gradient of 1)."""
@@ -408,7 +408,7 @@ def _coefficients(graph, loss: SummedLoss, fake_mode, replaced) -> list:
     return [adjoint[t] for t in loss.totals]
 
 
-def _add_gradient_carrier(graph, sink, carrier, fake_mode) -> None:
+def add_gradient_carrier(graph, sink, carrier, fake_mode) -> None:
     """`sink + carrier` in place of `sink` for every reader: the carrier is the op's -0.0 (the sum
     is `sink` exactly, whatever its value) whose gradient, the sink's, scales the op's gradients."""
     with graph.inserting_after(sink):

@@ -43,15 +43,16 @@ from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
-                                                match_graph, match_token_loss, values_without_gradient)
+                                                match_graph, match_token_loss, single_device_kinds,
+                                                values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of, written_inputs
-from graphpass.lint import _INPLACE_ALL_REDUCE_FRAMES as INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
+from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
 from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord
 
 # The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
-from .chunk_rowwise_regions import _add_gradient_carrier, _coefficients
+from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
 
 aten = torch.ops.aten
 
@@ -70,8 +71,9 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
             continue
         match = _match_function(hop, stub)
         if isinstance(match, str):
-            if match != NOT_PARALLEL:
-                record.rejected.append(Rejection(source_of(stub), f"vocab-parallel Function kept: {match}"))
+            why = _single_device_reason(hop, stub) if match == NOT_PARALLEL else f"vocab-parallel Function kept: {match}"
+            if why is not None:
+                record.rejected.append(Rejection(source_of(stub), why))
             continue
         lost = _lost_write(gm.graph, stub, hop) if hop.mutates_inputs else None
         if lost is not None:
@@ -310,8 +312,7 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
     rows_hint = _torch_api.size_hint(wide.numel()) // max(1, _torch_api.size_hint(wide.shape[-1]))
     site = dataclasses.replace(
         site_a, kind="+".join(o.kind for o in outputs), outputs=outputs,
-        collectives=[CollectiveRecord("all_gather", site_a.tp_size,
-                                      collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))])
+        collectives=_all_gathers(site_a.tp_size, [collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False)]))
     return site, op
 
 
@@ -501,7 +502,7 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
         return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, op)
 
     with graph.inserting_before(summed.place.next):
-        seeds = _coefficients(graph, summed, fake_mode, {})
+        seeds = loss_coefficients(graph, summed, fake_mode, {})
         sides = [node(aten.reshape.default, s, [-1] if per_row else []) for s, per_row in zip(loss.sides, loss.per_row)]
         dtype = outputs[0].meta["val"].dtype
         key = register_loss(loss.program, dtype, [(s.meta["val"].dtype, p) for s, p in zip(loss.sides, loss.per_row)],
@@ -514,7 +515,7 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
         old.replace_all_uses_with(items[old.args[1]])
         graph.erase_node(old)
     graph.erase_node(op)
-    _add_gradient_carrier(graph, summed.sink, items[2], fake_mode)
+    add_gradient_carrier(graph, summed.sink, items[2], fake_mode)
     # The op goes after the last value its loss math reads; its readers come after it.
     _torch_api.stable_topological_sort(graph)
     val = hidden.meta["val"]
@@ -522,9 +523,8 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
     block = block_rows(chunk, rows, vocab, val.shape[-1], val.dtype.itemsize)
     blocks = -(-rows // block)
     site.gradients_in_forward, site.recompute_reason, site.chunk_rows = True, None, block
-    site.collectives = [CollectiveRecord("all_gather", site.tp_size, collective_bytes(min(block, rows - i * block),
-                                                                                      val.dtype, with_entropy, False))
-                        for i in range(blocks)]
+    site.collectives = _all_gathers(site.tp_size, [collective_bytes(min(block, rows - i * block), val.dtype,
+                                                                    with_entropy, False) for i in range(blocks)])
 
 
 def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
@@ -591,6 +591,26 @@ def _match_function(hop, stub) -> VocabParallelMatch | str:
     return dataclasses.replace(
         match, logits=tensors[placeholders.index(match.logits)],
         target=None if match.target is None else tensors[placeholders.index(match.target)])
+
+
+def _single_device_reason(hop, stub) -> str | None:
+    """Why a Function without collectives whose forward computes log-probs or entropies stays as
+    it is (None for any other Function: none of this pass's business). The op would stand in for
+    its hand-written backward too, which graphpass cannot check against the forward's gradient."""
+    forward = hop.bodies[0]
+    n_outputs = len(forward.graph.output_node().args[0][0])
+    try:
+        captured = capture(forward, [t.meta["val"] for t in stub.args[1]])
+    except CantCapture:
+        return None
+    outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
+    kinds = single_device_kinds(captured.gm, outputs)
+    if kinds is None:
+        return None
+    what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in kinds))
+    return (f"autograd.Function kept: its forward computes the {what} of its logits with no collective, but "
+            "its backward is hand-written, and graphpass replaces one only in vocab-parallel code; write the "
+            "same math without the Function (torch.log_softmax(logits, -1).gather(...)) to have it chunked")
 
 
 def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
@@ -727,11 +747,16 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     return SiteRecord(
         kind="+".join(o.kind for o in outputs), source=source_of(op), shape=tuple(wide.shape), dtype=wide.dtype,
         chunk_size=config.chunk_size, outputs=outputs, tp_size=match.group_size, group=match.group_name,
-        collectives=[CollectiveRecord("all_gather", match.group_size,
-                                      collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False))]
+        collectives=_all_gathers(match.group_size, [collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False)])
         + ([CollectiveRecord("all_reduce in backward", match.group_size,
                              rows_hint * (2 if with_entropy else 1) * results["logprob"].meta["val"].dtype.itemsize)]
-           if sum_grads else [])), op
+           if sum_grads and match.group_size > 1 else [])), op
+
+
+def _all_gathers(group_size: int, sizes: list[int]) -> list[CollectiveRecord]:
+    """The op's all-gathers of row statistics, one of each of `sizes` bytes: none over a group of
+    one, where the op issues none."""
+    return [CollectiveRecord("all_gather", group_size, size) for size in sizes] if group_size > 1 else []
 
 
 def _summing_grads(node, results: dict, with_entropy: bool, group_name: str) -> dict:

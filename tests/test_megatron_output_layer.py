@@ -19,7 +19,6 @@ spawn (`_spawned`); the registration itself is checked in one process.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import unittest.mock
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import graphpass
-from bench.harness.ranks import run_ranks
+import spawned  # tests/ is on sys.path
 from bench.tp import _profiled
 from bench.workloads.tp_losses import slime_style_logprob_entropy
 from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)
@@ -261,21 +260,7 @@ def _ranks(rank, world):
         parallel_state.destroy_model_parallel()
 
 
-@functools.cache
-def _results():
-    """The per-rank results of `_ranks`, or the error: spawned once per module."""
-    try:
-        return run_ranks(_ranks, WORLD, timeout_s=300)
-    except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
-        return error
-
-
-def _spawned():
-    pytest.importorskip("megatron.core")
-    results = _results()
-    if isinstance(results, Exception):
-        raise results
-    return results
+_spawned = spawned.once(_ranks, WORLD, timeout_s=300, requires="megatron.core")
 
 
 def _per_rank(index):

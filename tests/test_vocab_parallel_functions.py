@@ -1,12 +1,14 @@
-"""Unmodified vocab-parallel Functions compiled with graphpass on 2 and 4 gloo ranks.
+"""Unmodified vocab-parallel Functions compiled with graphpass on 1, 2 and 4 gloo ranks.
 
 megatron-core's `vocab_parallel_cross_entropy` and a slime-style `_VocabParallelLogProbEntropy`
 (`bench.workloads.tp_losses`) feed a PPO loss; compiled with graphpass each becomes one
 `vocab_parallel_logprob_entropy` site with `tp_size` = the group size. Checked per case: values
 and logits gradients against eager and against one device in float64, the site records, and the
 collectives each rank issued (one all-gather per Function call, none in backward, the same on
-every rank). Functions that get the math wrong in one place (a rank-local shift, a wrong first
-column, a local entropy, an unmasked target) must stay as they are, with the reason recorded.
+every rank; at TP=1, a group of one, none). Functions that get the math wrong in one place (a
+rank-local shift, a wrong first column, a local entropy, an unmasked target) must stay as they are,
+with the reason recorded; so must a Function with no collective at all, whose hand-written backward
+graphpass does not replace on one device (the reason says what to write instead).
 
 One spawn per group size runs every case (`_spawned`): each spawn costs seconds.
 """
@@ -24,7 +26,7 @@ from bench.harness.ranks import collectives, run_ranks
 from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
 
 T = 24
-WIDTH = {2: 24, 4: 12}  # V/tp
+WIDTH = {1: 48, 2: 24, 4: 12}  # V/tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 2e-2}
 
 
@@ -131,7 +133,7 @@ CASES = [
     ("funcol", {}, torch.float64),
     ("funcol detached", {}, torch.float64),
 ]
-FOUR_RANK_CASES = [CASES[0], CASES[4], CASES[7]]
+FEWER_CASES = [CASES[0], CASES[4], CASES[7]]  # at TP=4, and at TP=1 (a group of one)
 
 
 def _case(rank, world, code, kw, dtype):
@@ -193,7 +195,7 @@ def _have_megatron() -> bool:
 def _spawned(world):
     """(cases, per-rank results) of every case for `world` ranks; megatron's only where it is installed
     (the `test` extra installs it)."""
-    cases = [c for c in (CASES if world == 2 else FOUR_RANK_CASES) if c[0] != "megatron" or _have_megatron()]
+    cases = [c for c in (CASES if world == 2 else FEWER_CASES) if c[0] != "megatron" or _have_megatron()]
     return cases, run_ranks(_with_megatron, world, args=(cases,), timeout_s=420 if world == 2 else 300)
 
 
@@ -214,7 +216,7 @@ def _case_id(case):
     return f"{code}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'plain'}-{str(dtype).removeprefix('torch.')}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_recognised_functions_become_one_site_with_eager_parity(world):
     cases, per_rank = _spawned(world)
     for index, case in enumerate(cases):
@@ -232,7 +234,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
             assert kind == ("-logprob" if code == "megatron" else "logprob" if code == "none" else
                             "logprob+entropy" if kw.get("with_entropy") else "logprob"), where
             assert grads[-1] == kw.get("with_entropy_grad", True), where
-            assert [c[:2] for c in colls] == [("all_gather", world)], where
+            assert [c[:2] for c in colls] == ([("all_gather", world)] if world > 1 else []), where
             tol = TOLERANCE[dtype]
             assert r["value_vs_ref"] <= tol and r["grad_vs_ref"] <= tol, where
             if dtype != torch.bfloat16:  # bf16: ours rounds once, eager per op; both near float64
@@ -241,7 +243,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
                 assert r["grad_vs_ref"] <= 2 * r["eager_grad_vs_ref"] + 1e-2, where
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_one_all_gather_per_call_none_in_backward_same_on_every_rank(world):
     cases, per_rank = _spawned(world)
     for index, case in enumerate(cases):
@@ -251,7 +253,9 @@ def test_one_all_gather_per_call_none_in_backward_same_on_every_rank(world):
         forward, backward = logs[0]
         assert all(log == logs[0] for log in logs), (_case_id(case), logs)
         assert backward == [], (_case_id(case), backward)
-        assert {entry[0] for entry in forward} == {"all_gather_single"}, (_case_id(case), forward)
+        # A group of one: the op issues nothing (eager all-reduces over it).
+        assert {entry[0] for entry in forward} == ({"all_gather_single"} if world > 1 else set()), \
+            (_case_id(case), forward)
 
 
 @pytest.mark.parametrize("flaw", FLAWS)
@@ -313,3 +317,62 @@ def test_ranks_differing_in_grad_mode_and_ownership_issue_the_same_collectives()
     assert all(log == logs[0] for log in logs) and len(logs[0]) == 1, logs
     for log, err, sites in per_rank:
         assert err < 1e-5 and sites == [4], (err, sites)
+
+
+# ---- one device: a hand-written Function without collectives -------------------------------------
+class _OneDeviceLogProbEntropy(torch.autograd.Function):
+    """Log-prob and entropy with a hand-written backward and no collective (`kind` "entropy": the
+    first output is the row's log-sum-exp instead, which is no log-prob)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, kind: str):
+        row_max = logits.max(dim=-1, keepdim=True).values
+        exp = (logits - row_max).exp()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        softmax = exp / sum_exp
+        mean_x = (softmax * logits).sum(dim=-1, keepdim=True)
+        entropy = (row_max + sum_exp.log() - mean_x)[:, 0]
+        first = logits.gather(1, target[:, None]) if kind == "logprob" else row_max
+        ctx.save_for_backward(softmax, target, mean_x, logits)
+        ctx.kind = kind
+        return (first - row_max - sum_exp.log())[:, 0], entropy
+
+    @staticmethod
+    def backward(ctx, grad_first, grad_entropy):
+        softmax, target, mean_x, logits = ctx.saved_tensors
+        grad = (mean_x - logits) * softmax * grad_entropy[:, None] - softmax * grad_first[:, None]
+        if ctx.kind == "logprob":
+            grad = grad.scatter_add(1, target[:, None], grad_first[:, None])
+        else:
+            grad = grad + (logits == logits.max(dim=-1, keepdim=True).values) * 0.0
+        return grad, None, None
+
+
+@pytest.mark.parametrize("kind", ["logprob", "entropy"])
+def test_a_function_without_collectives_runs_as_written_and_says_why(kind):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, 40, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 40, (T,), generator=g)
+    old, adv = torch.randn(T, generator=g, dtype=torch.float64) - 3, torch.randn(T, generator=g, dtype=torch.float64)
+
+    def fn(logits):
+        first, entropy = _OneDeviceLogProbEntropy.apply(logits, target, kind)
+        return ppo_loss(first, old, adv, entropy)
+
+    eager_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fn(eager_x).backward()
+    torch._dynamo.reset()
+    backend = graphpass.Backend(inner="aot_eager")
+    value = torch.compile(fn, backend=backend)(x)
+    value.backward()
+    assert _err(value, fn(eager_x.detach())) <= 1e-12 and _err(x.grad, eager_x.grad) <= 1e-12
+    record = backend.records[0]
+    assert record.sites == [] and record.fallback_reason is None, record
+    reasons = [r.reason for r in record.rejected if "hand-written" in r.reason]
+    # Only the Function whose forward is a log-prob and an entropy gets the reason (the other's
+    # first output is no log-prob: the Function is simply not one of this pass's).
+    if kind == "logprob":
+        assert len(reasons) == 1 and "log-prob and entropy of its logits with no collective" in reasons[0], reasons
+        assert "torch.log_softmax" in reasons[0]
+    else:
+        assert reasons == [], reasons

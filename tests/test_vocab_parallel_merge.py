@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphpass
-from bench.harness.ranks import run_ranks
+import spawned  # tests/ is on sys.path
 from bench.tp import _profiled
 from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
 
@@ -336,20 +336,7 @@ def _ranks(rank, world):
         parallel_state.destroy_model_parallel()
 
 
-@functools.cache
-def _results():
-    try:
-        return run_ranks(_ranks, WORLD, timeout_s=420)
-    except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
-        return error
-
-
-def _spawned():
-    pytest.importorskip("megatron.core")
-    results = _results()
-    if isinstance(results, Exception):
-        raise results
-    return results
+_spawned = spawned.once(_ranks, WORLD, timeout_s=420, requires="megatron.core")
 
 
 def _case_id(case):

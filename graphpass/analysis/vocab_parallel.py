@@ -409,6 +409,39 @@ def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> Voc
     return _match(ev, outputs, group[0], rank_and_size)
 
 
+class _OneDeviceEvaluator(recognize.Evaluator):
+    """`recognize`'s evaluator, exact, for a forward without collectives: its logits are the whole
+    vocabulary it normalises over."""
+
+    eps = 0.0
+
+    def __init__(self, gm: torch.fx.GraphModule, logits: torch.fx.Node):
+        super().__init__()
+        self.gm, self.logits = gm, logits
+
+
+def _full_index(ev, n):
+    """`x[arange(rows), t]`: the target's logit."""
+    src, indices = n.args[0], n.args[1]
+    shape = recognize.shape_of(src)
+    if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
+        return None
+    return ev.gathered(src, indices[1]) if _arange(indices[0]) == (0, shape[0], 1) else None
+
+
+_OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: _select_unit, aten.index: _full_index}
+
+
+def single_device_kinds(gm: torch.fx.GraphModule, outputs: list) -> tuple[str, ...] | None:
+    """What a Function's forward `gm` without collectives computes, when each of `outputs` is
+    exactly a log-prob, an entropy (or a negation) of its one wide input, or empty; else None."""
+    wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
+    if len(wide) != 1 or any(recognize.packet(n) is _COLLECTIVES.all_reduce for n in gm.graph.nodes):
+        return None
+    match = _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
+    return None if isinstance(match, str) else match.outputs
+
+
 def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch | str:
     """Vocab-parallel log-probs/entropies computed in `gm` itself, with functional all-reduces: a
     Function Dynamo inlined (it does when no input requires grad) or code written that way.

@@ -31,7 +31,7 @@ WIDE, ROW, BCAST, SCALAR = Role.WIDE, Role.ROW, Role.BCAST, Role.SCALAR
 # fp32 [chunk, V] temporaries alive at once while a chunk's kernel runs. Inductor fuses each
 # kernel into passes over the vocabulary that keep nothing wide (the gradient is written in
 # place); run op by op, about three wide values are alive at once (e.g. exp, product, gradient).
-_TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
+TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
 
 # Part of every program's key, so that a compiled graph cached on disk by an older graphpass,
@@ -125,7 +125,7 @@ class RegionProgram:
 
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
         """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs."""
-        return _TEMPORARIES_PER_CHUNK[self.inner] * self.rows_per_chunk(rows, vocab, grad_itemsize) * vocab * 4
+        return TEMPORARIES_PER_CHUNK[self.inner] * self.rows_per_chunk(rows, vocab, grad_itemsize) * vocab * 4
 
     # ---- fake ------------------------------------------------------------------------------
     def fake_outputs(self, tensors, out_sizes):
@@ -141,7 +141,7 @@ class RegionProgram:
         device = tensors[self.wide_input_positions[0]].device
         outs = [torch.empty(() if spec.reduction else shape, dtype=spec.dtype, device=device)
                 for spec, shape in zip(self.outputs, self._split_sizes(out_sizes))]
-        return outs + [torch.empty_like(seeds[0])] + [_empty_gradient(t) for t, need in zip(tensors, needs_grad) if need]
+        return outs + [torch.empty_like(seeds[0])] + [empty_gradient(t) for t, need in zip(tensors, needs_grad) if need]
 
     def empty_saved(self, wide):
         """Empty buffers, one row per row of the wide input `wide`, for the saved row statistics."""
@@ -297,7 +297,7 @@ class RegionProgram:
         result = [o if j in totals else o.reshape(shape)
                   for j, (o, shape) in enumerate(zip(outs, self._split_sizes(out_sizes)))]
         carrier = torch.full((), -0.0, dtype=seeds[0].dtype, device=seeds[0].device)
-        return result + [carrier] + [_empty_gradient(t).zero_() if g is None else g
+        return result + [carrier] + [empty_gradient(t).zero_() if g is None else g
                                      for t, g, need in zip(tensors, grads, needs_grad) if need]
 
     @staticmethod
@@ -387,7 +387,7 @@ class RegionProgram:
             self._traced[key] = self.split.fused(*key[1:])
 
 
-def _empty_gradient(t: torch.Tensor) -> torch.Tensor:
+def empty_gradient(t: torch.Tensor) -> torch.Tensor:
     """A buffer for `t`'s gradient as the ops return every gradient: contiguous, whatever `t`'s
     strides (a permuted or column-major input too), so fake and real kernels agree on strides."""
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -398,7 +398,7 @@ class _GradBuffer:
 
     def __init__(self, position, tensor, rows):
         self.position = position
-        self.buffer = _empty_gradient(tensor)
+        self.buffer = empty_gradient(tensor)
         self.flat = self.buffer.view(rows, -1)
 
     def slot(self, sl):
@@ -454,13 +454,13 @@ def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor], saved: list[
                              grad_outputs: list[torch.Tensor | None], needs_grad: list[bool]) -> list[torch.Tensor]:
     """Gradients of the inputs flagged in `needs_grad`, in order; see `RegionProgram.backward`."""
     grads = program(key).backward(tensors, saved, needs_grad, grad_outputs)
-    return [_empty_gradient(t).zero_() if g is None else g
+    return [empty_gradient(t).zero_() if g is None else g
             for t, g, need in zip(tensors, grads, needs_grad) if need]
 
 
 @rowwise_chunked_backward.register_fake
 def _(key, tensors, saved, grad_outputs, needs_grad):
-    return [_empty_gradient(t) for t, need in zip(tensors, needs_grad) if need]
+    return [empty_gradient(t) for t, need in zip(tensors, needs_grad) if need]
 
 
 def _setup_context(ctx, inputs, output):

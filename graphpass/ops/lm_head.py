@@ -46,7 +46,7 @@ import logging
 import torch
 
 from graphpass.ops import devices
-from graphpass.ops.chunked_op import _TEMPORARIES_PER_CHUNK, BCAST, WIDE, RegionProgram, _empty_gradient
+from graphpass.ops.chunked_op import TEMPORARIES_PER_CHUNK, BCAST, WIDE, RegionProgram, empty_gradient
 from graphpass.ops.joint import NotTileable
 
 log = logging.getLogger("graphpass")
@@ -163,7 +163,7 @@ class LinearHeadProgram(RegionProgram):
     def _bytes_per_element(self, itemsize: int, backward: bool, upcast: bool) -> float:
         """Temporary bytes per element of a block (or tile) of `[rows, V]`: the logits, the
         kernel's temporaries, with `upcast` (in backward) the logits' fp32 copy."""
-        return itemsize + 4 * _TEMPORARIES_PER_CHUNK[self.inner] + (4 if upcast and backward else 0)
+        return itemsize + 4 * TEMPORARIES_PER_CHUNK[self.inner] + (4 if upcast and backward else 0)
 
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Rows per call of the region's kernel: a block."""
@@ -313,14 +313,14 @@ class LinearHeadProgram(RegionProgram):
         grads = [None] * len(tensors)
         hidden_acc = None
         if needs_grad[head.position]:
-            grads[head.position] = _empty_gradient(hidden)
+            grads[head.position] = empty_gradient(hidden)
             hidden_acc = grads[head.position].view(rows, head.hidden_size)
             acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
             if acc_dtype != hidden.dtype:
                 hidden_acc = torch.empty(hidden_acc.shape, dtype=acc_dtype, device=hidden.device)
-        grads[head.weight] = _empty_gradient(weight)
+        grads[head.weight] = empty_gradient(weight)
         if head.bias is not None and needs_grad[head.bias]:
-            grads[head.bias] = _empty_gradient(tensors[head.bias])
+            grads[head.bias] = empty_gradient(tensors[head.bias])
         flat_grad_outputs = [grad_outputs[j].reshape(rows, self.outputs[j].width) for j in active]
         self._tile_pass(tensors, active, [*saved, *flat_grad_outputs], grads[head.weight], grads[head.bias]
                         if head.bias is not None else None, hidden_acc)
@@ -491,7 +491,7 @@ class _HeadGradients:
         self.kept_from = vocab
         kept, self.tile_width = program.kept_columns(rows, vocab, hidden.element_size())
         if kept and self.weight_by_tiles:
-            self.weight_grad = _empty_gradient(weight)
+            self.weight_grad = empty_gradient(weight)
             self.kept_from = vocab - kept
             self.kept = _KeptColumns(self.weight_grad, rows, vocab, kept)
         if needs_grad[head.weight] and not saving:
@@ -561,7 +561,7 @@ class _HeadGradients:
             self.weight_acc.zero_()
         head = self.head
         if self.weight_by_tiles:
-            weight_grad = _empty_gradient(self.weight) if self.weight_grad is None else self.weight_grad
+            weight_grad = empty_gradient(self.weight) if self.weight_grad is None else self.weight_grad
             if self.kept is not None:  # first: the tiles overwrite the buffer's front, where they are
                 self.kept.multiply(self.hidden, weight_grad)
                 self.kept = self.weight_grad = None
