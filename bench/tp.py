@@ -575,7 +575,7 @@ def plan(args) -> list[TpSpec]:
             # Peaks repeat to the page from step to step (they are the code's allocations, not
             # noise), and a memory-phase step at T=8192 costs up to ~25 s here: one there.
             steps = dict(steps=5, min_steps=2, time_budget_s=20.0, memory_steps=1 if T >= 8192 else 2)
-        specs += [TpSpec(code, T, dtype, methods=tuple(args.methods), device=args.device, **steps)
+        specs += [TpSpec(code, T, dtype, V=args.V, methods=tuple(args.methods), device=args.device, **steps)
                   for dtype in args.dtype for code in args.code]
     return specs
 
@@ -584,6 +584,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="T=2048 only, fewer steps")
     parser.add_argument("--T", type=int, nargs="+", help=f"token counts (default {GRID_T}, --quick {QUICK_T})")
+    parser.add_argument("--V", type=int, default=V, help=f"the global vocabulary (default {V}; V/{TP} per rank)")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--code", nargs="+", choices=CODES, default=list(DEFAULT_CODES))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
@@ -596,7 +597,7 @@ def main(argv=None) -> int:
 
     specs = plan(args)
     before = provenance()
-    print(f"bench.tp: {len(specs)} configuration(s), TP={TP}, V={V} ({V // TP} per rank); {machine_description()}",
+    print(f"bench.tp: {len(specs)} configuration(s), TP={TP}, V={args.V} ({args.V // TP} per rank); {machine_description()}",
           flush=True)
     rows = []
     started = time.monotonic()
@@ -627,7 +628,7 @@ def main(argv=None) -> int:
     if after != before:
         print(f"warning: the checkout changed during the run: {before} -> {after}")
     before["changed_during_run"] = after != before
-    args.out.write_text(json.dumps(dict(machine=machine_description(), **before, tp=TP, V=V, quick=args.quick,
+    args.out.write_text(json.dumps(dict(machine=machine_description(), **before, tp=TP, V=args.V, quick=args.quick,
                                         wall_s=time.monotonic() - started, results=rows, acceptance=accepted),
                                    indent=1, default=str) + "\n")
     print(f"\nwrote {args.out} ({time.monotonic() - started:.0f} s)")
