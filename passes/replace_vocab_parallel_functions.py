@@ -660,8 +660,8 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     return (*built, function_forward)
 
 
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-_COLLECTIVE_OPS = {_ALL_REDUCE, torch.ops._c10d_functional.wait_tensor.default}
+_ALL_REDUCE = _torch_api.functional_collectives.all_reduce.default
+_COLLECTIVE_OPS = {_ALL_REDUCE, _torch_api.functional_collectives.wait_tensor.default}
 
 
 def _dead_after_replacing(graph, outputs) -> set:
