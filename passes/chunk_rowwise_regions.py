@@ -158,10 +158,12 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
                                                               f"{source_of(region.anchor)}: {why}"))
         if head is None:
             continue
-        # Another wide input is read chunk by chunk beside the head's logits; a float one would
-        # need its own [rows, V] gradient next to the head's blocks: not supported.
-        if any(n is not node and n.meta["val"].is_floating_point() for n in wide):
-            _keep_head(record, head, "the region reads other float [rows, V] inputs besides the lm_head's logits")
+        # Another wide input is read chunk by chunk beside the head's logits (a teacher's logits,
+        # a vocabulary mask); one that needs a gradient would need its own [rows, V] gradient
+        # next to the head's blocks: not supported.
+        if any(n is not node and n.meta["val"].is_floating_point() and grad_flows(n) is True for n in wide):
+            _keep_head(record, head, "the region reads another [rows, V] input that needs a gradient "
+                                     "besides the lm_head's logits")
             return None
         return head
     return None

@@ -207,3 +207,65 @@ def test_must_not_match_returned_teacher_log_probs():
     ref.backward()
     torch.testing.assert_close(tl, ref_tl)
     torch.testing.assert_close(tensors[0].grad, refs[0].grad, atol=1e-10, rtol=1e-10)
+
+
+# ---- the student's lm_head beside the teacher's logits ---------------------------------------------
+def _student_head(loss):
+    """`loss` over the student's `hidden @ W.T` (the teacher's logits given, without a gradient)."""
+    def head_loss(hidden, weight, t, mask):
+        return loss(F.linear(hidden, weight), t, mask)
+    head_loss.__name__ = f"{loss.__name__}_student_head"
+    return head_loss
+
+
+def _head_inputs(dtype=torch.float64, teacher_grad=False):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, 8, generator=g, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, 8, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    teacher = (torch.randn(T, V, generator=g, dtype=dtype) * 2).requires_grad_(teacher_grad)
+    mask = (torch.rand(T, generator=g) > 0.25).to(dtype)
+    return [hidden, weight, teacher, mask]
+
+
+@pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["fwd", "recomputed"])
+@pytest.mark.parametrize("loss", [forward_kl, reverse_kl, jsd, top_k_distillation], ids=lambda f: f.__name__)
+def test_the_students_lm_head_fuses_beside_the_teachers_logits(loss, gradients_in_forward):
+    """The teacher's `[T, V]` logits (no gradient) are read chunk by chunk beside the student's
+    head: its logits and their gradient never exist; the teacher gets no gradient, as in eager."""
+    tensors = _head_inputs(teacher_grad=loss is forward_kl)
+    refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
+    backend = graphpass.Backend(inner="eager", strict=True, gradients_in_forward=gradients_in_forward,
+                                chunk_size=7)
+    out = torch.compile(_student_head(loss), backend=backend)(*tensors)
+    ref = _student_head(loss)(*refs)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for mine, theirs in zip(tensors, refs):
+        assert (mine.grad is None) == (theirs.grad is None)
+        if theirs.grad is not None:
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-10, rtol=1e-10)
+    heads = [s for r in backend.records for s in r.sites if s.lm_head]
+    assert heads and heads[0].wide_inputs >= 2, [r.rejected for r in backend.records]  # (top-k: its ids too)
+
+
+def test_must_not_match_a_head_beside_logits_that_need_a_gradient():
+    """Both the student's head and another `[T, V]` input with a gradient: the other would need its
+    own `[rows, V]` gradient beside the head's blocks; the matmul stays outside, the reason says so."""
+    def loss(hidden, weight, other, mask):
+        s = F.linear(hidden, weight)
+        return (torch.log_softmax(s, -1) * torch.log_softmax(other, -1)).sum(-1).mean()
+
+    tensors = _head_inputs()
+    tensors[2].requires_grad_()
+    refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
+    backend = graphpass.Backend(inner="eager", strict=True)
+    out = torch.compile(loss, backend=backend)(*tensors)
+    ref = loss(*refs)
+    out.backward()
+    ref.backward()
+    for mine, theirs in zip([out, *[t.grad for t in tensors[:3]]], [ref, *[r.grad for r in refs[:3]]]):
+        torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=1e-10)
+    record = backend.records[0]
+    assert record.sites and not any(s.lm_head for s in record.sites)
+    assert any("needs a gradient besides the lm_head's logits" in r.reason for r in record.rejected), record.rejected
