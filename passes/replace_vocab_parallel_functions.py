@@ -70,10 +70,9 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
         if hop.target is not _torch_api.autograd_function_apply():
             continue
         match = _match_function(hop, stub)
-        if isinstance(match, str):
-            why = _single_device_reason(hop, stub) if match == NOT_PARALLEL else f"vocab-parallel Function kept: {match}"
-            if why is not None:
-                record.rejected.append(Rejection(source_of(stub), why))
+        if not isinstance(match, VocabParallelMatch):
+            if match is not None:
+                record.rejected.append(Rejection(source_of(stub), match))
             continue
         lost = _lost_write(gm.graph, stub, hop) if hop.mutates_inputs else None
         if lost is not None:
@@ -574,18 +573,22 @@ def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     return dataclasses.replace(head, logits=logits, bias=bias, nodes=[logits, matmul, *checks]), None
 
 
-def _match_function(hop, stub) -> VocabParallelMatch | str:
+def _match_function(hop, stub) -> VocabParallelMatch | str | None:
+    """The match of the Function behind `stub`, else why it is kept (one line), or None for a
+    Function with no collective that computes no log-prob or entropy: none of this pass's business."""
     forward = hop.bodies[0]
     tensors = stub.args[1]
     n_outputs = len(forward.graph.output_node().args[0][0])  # Dynamo's forward: ((outputs), (saved))
     try:
         captured = capture(forward, [t.meta["val"] for t in tensors])
     except CantCapture as e:
-        return f"its forward cannot be captured: {e}"
+        return f"vocab-parallel Function kept: its forward cannot be captured: {e}"
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
     match = match_forward(captured.gm, outputs, _rank_and_size)
+    if match == NOT_PARALLEL:
+        return _single_device_reason(captured.gm, outputs)
     if isinstance(match, str):
-        return match
+        return f"vocab-parallel Function kept: {match}"
     # The forward's inputs are the stub's tensors, in order.
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     return dataclasses.replace(
@@ -593,18 +596,11 @@ def _match_function(hop, stub) -> VocabParallelMatch | str:
         target=None if match.target is None else tensors[placeholders.index(match.target)])
 
 
-def _single_device_reason(hop, stub) -> str | None:
-    """Why a Function without collectives whose forward computes log-probs or entropies stays as
-    it is (None for any other Function: none of this pass's business). The op would stand in for
-    its hand-written backward too, which graphpass cannot check against the forward's gradient."""
-    forward = hop.bodies[0]
-    n_outputs = len(forward.graph.output_node().args[0][0])
-    try:
-        captured = capture(forward, [t.meta["val"] for t in stub.args[1]])
-    except CantCapture:
-        return None
-    outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
-    kinds = single_device_kinds(captured.gm, outputs)
+def _single_device_reason(gm, outputs) -> str | None:
+    """Why a Function without collectives whose captured forward `gm` computes log-probs or
+    entropies (its `outputs`) stays as it is; None for any other. The op would stand in for its
+    hand-written backward too, which graphpass cannot check against the forward's gradient."""
+    kinds = single_device_kinds(gm, outputs)
     if kinds is None:
         return None
     what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in kinds))

@@ -241,16 +241,20 @@ def _local_sum(ev, n):
     return None if f is None else _Partial(f)
 
 
-def _index(ev, n):
-    """`x[arange(rows), local_index(t)]`: the target's logit where this rank owns it."""
+def _row_indexed(n):
+    """(src, columns) if `n` is `src[arange(rows), columns]` of a 2-d `src`: one entry per row."""
     src, indices = n.args[0], n.args[1]
     shape = recognize.shape_of(src)
     if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
         return None
     rows, columns = indices
-    if _arange(rows) != (0, shape[0], 1):
-        return None
-    return _owned_gather(ev, src, columns)
+    return (src, columns) if _arange(rows) == (0, shape[0], 1) else None
+
+
+def _index(ev, n):
+    """`x[arange(rows), local_index(t)]`: the target's logit where this rank owns it."""
+    picked = _row_indexed(n)
+    return None if picked is None else _owned_gather(ev, *picked)
 
 
 def _arange(node):
@@ -422,11 +426,8 @@ class _OneDeviceEvaluator(recognize.Evaluator):
 
 def _full_index(ev, n):
     """`x[arange(rows), t]`: the target's logit."""
-    src, indices = n.args[0], n.args[1]
-    shape = recognize.shape_of(src)
-    if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
-        return None
-    return ev.gathered(src, indices[1]) if _arange(indices[0]) == (0, shape[0], 1) else None
+    picked = _row_indexed(n)
+    return None if picked is None else ev.gathered(*picked)
 
 
 _OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: _select_unit, aten.index: _full_index}
