@@ -13,14 +13,14 @@ import pytest
 from bench.harness.ranks import run_ranks
 
 
-def once(body, world: int, timeout_s: float, *, requires: str | None = None):
-    """A function returning `run_ranks(body, world, timeout_s=timeout_s)`'s per-rank results,
-    spawned at its first call; without the module `requires` installed, each call skips."""
+def once(body, world: int, timeout_s: float, *, args: tuple = (), requires: str | None = None):
+    """A function returning `run_ranks(body, world, args=args, timeout_s=timeout_s)`'s per-rank
+    results, spawned at its first call; without the module `requires` installed, each call skips."""
 
     @functools.cache
     def results():
         try:
-            return run_ranks(body, world, timeout_s=timeout_s)
+            return run_ranks(body, world, args=args, timeout_s=timeout_s)
         except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
             return error
 

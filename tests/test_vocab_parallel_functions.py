@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import graphpass
 from bench.harness.ranks import collectives, run_ranks
+import spawned  # tests/ is on sys.path
 from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
 
 T = 24
@@ -191,15 +192,13 @@ def _have_megatron() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _spawned(world):
-    """(cases, per-rank results) of every case for `world` ranks; megatron's only where it is installed
-    (the `test` extra installs it)."""
-    cases = [c for c in (CASES if world == 2 else FEWER_CASES) if c[0] != "megatron" or _have_megatron()]
-    return cases, run_ranks(_with_megatron, world, args=(cases,), timeout_s=420 if world == 2 else 300)
+def _cases(world):
+    """Every case for `world` ranks; megatron's only where it is installed (the `test` extra installs it)."""
+    return [c for c in (CASES if world == 2 else FEWER_CASES) if c[0] != "megatron" or _have_megatron()]
 
 
-def _with_megatron(rank, world, cases):
+def _with_megatron(rank, world):
+    cases = _cases(world)
     if not any(c[0] == "megatron" for c in cases):
         return _all_cases(rank, world, cases)
     from megatron.core import parallel_state
@@ -209,6 +208,14 @@ def _with_megatron(rank, world, cases):
         return _all_cases(rank, world, cases)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+_SPAWNS = {world: spawned.once(_with_megatron, world, 420 if world == 2 else 300) for world in (1, 2, 4)}
+
+
+def _spawned(world):
+    """(cases, per-rank results) of every case for `world` ranks, spawned once per group size."""
+    return _cases(world), _SPAWNS[world]()
 
 
 def _case_id(case):
