@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint, statically_known_true
+
+log = logging.getLogger("graphpass")
 
 
 def dynamo_control_flow_errors() -> tuple[type, ...]:
@@ -83,9 +86,13 @@ def inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs):
     return gm.forward
 
 
-def compile_kernel(fn, inner: str):
+def compile_kernel(fn, inner: str, wide_width: int | None = None):
     """Compile a per-chunk kernel, dynamic in the row count only (dim 0 of every tensor argument
-    of rank 2), so a short last chunk reuses it while the vocabulary stays static for codegen."""
+    of rank 2), so a short last chunk reuses it while the vocabulary stays static for codegen.
+
+    With `wide_width` (V) and inductor, the kernel is compiled now, on zeros shaped as its
+    placeholders' example values with 2 rows, and `run.temporary_bytes` is what its generated
+    code allocates per element of `[rows, V]` (`_wide_buffer_bytes`); else None."""
     if inner == "eager":
         return fn
     # The kernel runs inside an op that CUDA graphs do not capture (`devices.NOT_CUDAGRAPH_CAPTURABLE`):
@@ -104,7 +111,51 @@ def compile_kernel(fn, inner: str):
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return compiled(*args)
 
+    run.temporary_bytes = None
+    sample = _sample_arguments(fn) if inner == "inductor" and wide_width is not None else None
+    if sample is not None:
+        from unittest import mock
+
+        from torch._inductor.graph import GraphLowering
+
+        codes = []  # inductor hands each graph's code here, compiled or loaded from its cache
+        try:
+            with mock.patch.object(GraphLowering, "save_output_code", codes.append), torch.no_grad():
+                run(*sample)
+        except Exception as e:  # noqa: BLE001 - zeros may not suit it: then it compiles at its first call
+            log.debug("graphpass: a kernel did not run on zeros (%s); its temporaries are estimated", e)
+            codes = []
+        run.temporary_bytes = _wide_buffer_bytes(codes, wide_width) if codes else None
     return run
+
+
+def _sample_arguments(fn) -> list | None:
+    """Zeros shaped as `fn`'s placeholders' example values, each symbolic size (the rows) 2; None
+    where a placeholder has none."""
+    sample = []
+    for node in fn.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = [s if isinstance(s, int) else 2 for s in val.shape]
+        sample.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
+    return sample
+
+
+_ALLOCATION = re.compile(r"empty_strided_\w+\(\(([^()]*)\), \([^()]*\), torch\.(\w+)\)")
+
+
+def _wide_buffer_bytes(codes: list[str], width: int) -> int:
+    """Bytes per element of `[rows, width]` that the `[rows, width]` buffers allocated in inductor's
+    generated `codes` take together: an upper bound of what one call keeps (a buffer freed early
+    counts as alive throughout)."""
+    total = 0
+    for code in codes:
+        for shape, dtype in _ALLOCATION.findall(code):
+            sizes = [s.strip() for s in shape.split(",") if s.strip()]
+            if len(sizes) == 2 and sizes[1] == str(width):
+                total += getattr(torch, dtype).itemsize
+    return total
 
 
 def assert_async(ok: torch.Tensor, message: str) -> None:

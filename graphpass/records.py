@@ -75,6 +75,9 @@ class SiteRecord:
     bias's). `shape` is still the logits' shape."""
     hidden_shape: tuple | None = None
     """Shape of the hidden states an lm_head site reads; None otherwise."""
+    frozen_lm_heads: int = 0
+    """Other wide inputs the op computes chunk by chunk from hidden states, with no gradient (a
+    teacher's lm_head under no_grad): their logits never exist as a tensor either."""
     lm_head_reason: str | None = None
     """Why the op reads the logits instead of computing them from the hidden states: they come
     from outside the graph (its input, e.g. after a Dynamo graph break, named), or another op

@@ -41,6 +41,8 @@ class SiteReport:
     """What one call communicates, e.g. "all_gather 2.5 KiB" (bytes this rank contributes)."""
     lm_head: bool = False
     """The op computes the logits from the hidden states itself (`SiteRecord.lm_head`)."""
+    frozen_lm_heads: int = 0
+    """And this many gradient-free lm_heads beside them (`SiteRecord.frozen_lm_heads`)."""
     gradients_in_forward: bool = False
     """The op computes its gradients in forward (`SiteRecord.gradients_in_forward`)."""
 
@@ -148,7 +150,7 @@ def build_graph_report(record: GraphRecord, estimate, *, graph_before: str | Non
             dtype=_dtype_name(site.dtype), chunk_size=_chunk_rows(site), chunk_auto=site.chunk_size is None,
             entropy_grad=_entropy_grad(site), temperature=temps[0] if temps else None,
             tp_size=site.tp_size, collectives=", ".join(f"{c.op} {human_bytes(c.bytes)}" for c in site.collectives),
-            lm_head=site.lm_head, gradients_in_forward=site.gradients_in_forward))
+            lm_head=site.lm_head, frozen_lm_heads=site.frozen_lm_heads, gradients_in_forward=site.gradients_in_forward))
     candidates = [CandidateReport(s.source, True, kind=s.kind) for s in record.sites]
     candidates += [CandidateReport(c.source, False, reason=c.reason) for c in record.rejected]
     before = estimate.before if estimate is not None else None
@@ -209,9 +211,10 @@ def _chunk_text(site: SiteReport) -> str:
 
 
 def _lm_head_text(site: SiteReport) -> str:
+    frozen = f"{'+' if site.lm_head else ''}{site.frozen_lm_heads} no-grad" if site.frozen_lm_heads else ""
     if not site.lm_head:
-        return "-"
-    return "fused+fwd" if site.gradients_in_forward else "fused"
+        return frozen or "-"
+    return ("fused+fwd" if site.gradients_in_forward else "fused") + frozen
 
 
 def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
@@ -219,7 +222,7 @@ def table_rows(graph: GraphReport) -> tuple[list[str], list[list[str]]]:
     the table (`summary_lines`): sites share one peak, a site alone has no share of it."""
     # An lm_head column only where a site computes its logits from the hidden states. A
     # vocab-parallel site (its logits shape is the rank's slice) says so below the table.
-    head = any(s.lm_head for s in graph.sites)
+    head = any(s.lm_head or s.frozen_lm_heads for s in graph.sites)
     headers = ["site", "computes", "logits", "rows/chunk", "entropy grad"] + ["lm_head"] * head
     rows = [[s.source, s.kind, _shape_text(s), _chunk_text(s), s.entropy_grad] + [_lm_head_text(s)] * head
             for s in graph.sites]
@@ -244,6 +247,8 @@ def summary_lines(graph: GraphReport) -> list[str]:
         lines.append("lm_head fused: the op computes the logits a block at a time from the hidden states"
                      + ("; fused+fwd: and their gradients, in the forward"
                         if any(s.gradients_in_forward for s in graph.sites) else ""))
+    if any(s.frozen_lm_heads for s in graph.sites):
+        lines.append("no-grad: lm_heads no gradient reaches (a teacher's), computed a block at a time beside the logits")
     lines += [f"{s.source}: vocab-parallel over {s.tp_size} ranks, per call {s.collectives or 'no collective'}"
               for s in graph.sites if s.tp_size > 1]
     if graph.fallback_reason:

@@ -27,12 +27,14 @@ from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_no
                                   same_size, size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
-from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head
+from graphpass.analysis.lm_head import (METADATA_CHECKS, LmHead, hidden_over_rows, match_lm_head, match_matmul,
+                                       other_readers)
 from graphpass.analysis.regions import Region, find_regions, source_of
 from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
 from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
-from graphpass.ops.lm_head import HeadSpec, LinearHeadProgram
+from graphpass.ops.head_matmul import HeadSpec
+from graphpass.ops.lm_head import LinearHeadProgram
 from graphpass.records import OutputRecord, Rejection, SiteRecord
 
 log = logging.getLogger("graphpass")
@@ -51,13 +53,14 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     modes = grad_modes(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     heads = [_lm_head(region, modes, record) for region in regions]
+    frozen = [_frozen_heads(region, head, record) for region, head in zip(regions, heads)]
     built, taken = {}, set()  # `taken`: the loss math (and sums) sites built before took in
     # Build and label every region before the graph changes under them; those with an lm_head
     # first: where two sites' gradients meet in one loss, taking it in saves an lm_head a GEMM.
     for i in sorted(range(len(regions)), key=lambda i: heads[i] is None):
         region = regions[i]
         try:
-            built[i] = _build_site(region, heads[i], config, modes, order, record, taken)
+            built[i] = _build_site(region, heads[i], config, modes, order, record, taken, frozen[i])
         except RegionRejected as e:
             record.rejected.append(Rejection(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
@@ -82,6 +85,8 @@ class _Site:
     program: RegionProgram
     input_nodes: list
     head: LmHead | None = None
+    frozen: tuple = ()
+    """Heads of other wide inputs the op computes chunk by chunk, with no gradient (`_frozen_heads`)."""
     loss: SummedLoss | None = None
     """The per-token loss math and its sum, when the op computes its gradients in forward."""
     recompute_reason: str | None = None
@@ -89,10 +94,12 @@ class _Site:
     """With `loss`: per op input, whether the op computes its gradient (`_needs_grad`)."""
 
 
-def _build_site(region: Region, head: LmHead | None, config, modes, order, record, taken=frozenset()) -> _Site:
+def _build_site(region: Region, head: LmHead | None, config, modes, order, record, taken=frozenset(),
+                frozen=()) -> _Site:
     """The richest rewrite of `region` that builds: with its lm_head `head` and its loss math, with
     its lm_head alone, or the region alone (each fallback's reason recorded). `taken`: nodes of
-    the loss math another site already took in."""
+    the loss math another site already took in; `frozen`: gradient-free heads the op computes
+    (`_frozen_heads`), in every rewrite (they need no gradient, so none changes the backward)."""
     loss, why = None, None
     if not config.gradients_in_forward:
         why = "gradients_in_forward=False"
@@ -108,22 +115,22 @@ def _build_site(region: Region, head: LmHead | None, config, modes, order, recor
     if loss is not None:
         extended = _with_loss(region, loss, order)
         try:
-            program, input_nodes = _build_program(extended, config, head, loss)
-            needs_grad = _needs_grad(input_nodes)
+            program, input_nodes = _build_program(extended, config, head, loss, frozen)
+            needs_grad = _needs_grad(input_nodes, program.gradient_free)
             try:
                 program.prepare_gradients_in_forward(needs_grad)
             except Exception as e:  # noqa: BLE001 - a kernel that does not trace is not used
                 raise RegionRejected(f"its backward kernel does not trace: {type(e).__name__}: {e}") from None
-            return _Site(extended, program, input_nodes, head, loss, needs_grad=needs_grad)
+            return _Site(extended, program, input_nodes, head, frozen, loss, needs_grad=needs_grad)
         except RegionRejected as e:
             why = f"the region with its loss math does not build: {e}"
     if head is not None:
         try:
-            return _Site(region, *_build_program(region, config, head), head, recompute_reason=why)
+            return _Site(region, *_build_program(region, config, head, frozen=frozen), head, frozen, recompute_reason=why)
         except RegionRejected as e:
             # The region alone may still be rewritten, reading the logits as today.
             _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
-    return _Site(region, *_build_program(region, config), recompute_reason=why)
+    return _Site(region, *_build_program(region, config, frozen=frozen), frozen=frozen, recompute_reason=why)
 
 
 def _with_loss(region: Region, loss: SummedLoss, order) -> Region:
@@ -152,6 +159,9 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
     """The lm_head the region's op can absorb, or None (the reason, where there is one, recorded)."""
     wide = [n for n in region.inputs if _is_wide_input(region, n)]
     for node in wide:
+        if grad_flows(node) is False and (modes[node] != modes[region.place]
+                                          or any(grad_flows(n) is not False for n in wide)):
+            continue  # a gradient-free head (beside logits that need one): a frozen head, `_frozen_heads`
         head, why = match_lm_head(region, node, modes)
         if why is not None:
             record.rejected.append(Rejection(source_of(node), f"lm_head not fused into the region at "
@@ -167,6 +177,30 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
             return None
         return head
     return None
+
+
+def _frozen_heads(region: Region, head: LmHead | None, record) -> tuple:
+    """The lm_heads of the region's other wide inputs that no gradient reaches (a teacher's, its
+    matmul under no_grad), which the op can compute chunk by chunk as it does `head`'s: each
+    `hidden @ W.T` with its hidden states over the region's rows, read by the region alone. The
+    op gives their operands no gradient, which is theirs: none reaches the logits."""
+    found = []
+    for node in region.inputs:
+        if (head is not None and node is head.logits) or not _is_wide_input(region, node) or grad_flows(node) is not False:
+            continue
+        frozen, why = match_matmul(node)
+        if frozen is None and why is None:
+            continue  # not a matmul
+        if why is None:
+            why = hidden_over_rows(frozen, region)
+        if why is None:
+            checks, why = other_readers(node, set(region.nodes))
+        if why is not None:
+            record.rejected.append(Rejection(source_of(node), f"gradient-free lm_head not fused into the region at "
+                                                              f"{source_of(region.anchor)}: {why}"))
+            continue
+        found.append(dataclasses.replace(frozen, nodes=[node, *checks]))
+    return tuple(found)
 
 
 def _is_wide_input(region: Region, node) -> bool:
@@ -195,11 +229,12 @@ def _static_width(width):
     raise RegionRejected(f"the width {width} along the vocabulary is symbolic")
 
 
-def _build_program(region: Region, config, head: LmHead | None = None, loss: SummedLoss | None = None):
+def _build_program(region: Region, config, head: LmHead | None = None, loss: SummedLoss | None = None, frozen=()):
     """The region's canonical per-chunk GraphModule wrapped in a registered RegionProgram, or
     with `head` a LinearHeadProgram whose op reads the hidden states where the region reads the
     logits, and the weight and bias after the region's inputs. With `loss`, the region's first
-    outputs are the summands of `loss.totals`, the only outputs that keep a gradient."""
+    outputs are the summands of `loss.totals`, the only outputs that keep a gradient. Each `frozen`
+    head's hidden states stand where the region reads its logits, its weight and bias after."""
     graph = torch.fx.Graph()
     env, specs, input_nodes = {}, [], []
     in_region = set(region.nodes)
@@ -242,17 +277,16 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
     wide = next(node for node, spec in zip(input_nodes, specs) if spec.role == WIDE)
-    options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
-                   device=wide.meta["val"].device, index_checks=_index_checks(region, input_nodes),
-                   gradient_free=_gradient_free(region, input_nodes))
+    gradient_free = _gradient_free(region, input_nodes)
+    index_checks = _index_checks(region, input_nodes)
     if head is not None:
-        position = input_nodes.index(head.logits)
-        input_nodes[position] = head.hidden
-        input_nodes.append(head.weight)
-        if head.bias is not None:
-            input_nodes.append(head.bias)
-        spec = HeadSpec(position, len(specs), len(specs) + 1 if head.bias is not None else None,
-                        head.weight_transposed, head.hidden_size)
+        spec = _take_head(input_nodes, head)
+    frozen_specs = [_take_head(input_nodes, f) for f in frozen]
+    for f in frozen_specs:
+        gradient_free += [f.position, f.weight] + ([f.bias] if f.bias is not None else [])
+    options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
+                   device=wide.meta["val"].device, index_checks=index_checks,
+                   gradient_free=sorted(set(gradient_free)), frozen_heads=frozen_specs)
     try:
         if head is None:
             program = RegionProgram(module, specs, outputs, **options)
@@ -262,6 +296,19 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         raise RegionRejected(f"its per-chunk forward+backward does not trace: {type(e).__name__}: {e}") from None
     # The registered program: one built earlier from the same content is the one the op runs.
     return chunked_op.program(chunked_op.register(program)), input_nodes
+
+
+def _take_head(input_nodes: list, head: LmHead) -> HeadSpec:
+    """Put the head's hidden states where the region reads its logits, its weight (and bias) after
+    the op's inputs so far; where they are now."""
+    position = input_nodes.index(head.logits)
+    input_nodes[position] = head.hidden
+    input_nodes.append(head.weight)
+    weight = len(input_nodes) - 1
+    if head.bias is not None:
+        input_nodes.append(head.bias)
+    return HeadSpec(position, weight, len(input_nodes) - 1 if head.bias is not None else None,
+                    head.weight_transposed, head.hidden_size)
 
 
 def _gradient_free(region, input_nodes):
@@ -381,8 +428,9 @@ def _replace(graph, site: _Site, replaced: dict):
             graph.erase_node(total)
     for node in reversed(region.nodes):
         graph.erase_node(node)
-    if head is not None:  # the logits' metadata checks, then the matmul; the weight's `t` is dead code
-        for node in reversed(head.nodes):
+    for fused in ([head] if head is not None else []) + list(site.frozen):
+        # the logits' metadata checks, then the matmul; the weight's `t` is dead code
+        for node in reversed(fused.nodes):
             graph.erase_node(node)
 
 
@@ -420,10 +468,12 @@ def add_gradient_carrier(graph, sink, carrier, fake_mode) -> None:
     sink.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
 
-def _needs_grad(nodes) -> list[bool]:
-    """Per op input: whether a gradient from the graph's outputs reaches it (`tag_grad_flow_pass`)."""
+def _needs_grad(nodes, gradient_free=()) -> list[bool]:
+    """Per op input: whether a gradient from the graph's outputs reaches it through the op
+    (`tag_grad_flow_pass`; none through a `gradient_free` position: a frozen head's hidden states
+    may need one from elsewhere)."""
     return [grad_flows(n) is True and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].is_floating_point()
-            for n in nodes]
+            and i not in gradient_free for i, n in enumerate(nodes)]
 
 
 def _reads_detached(node, region: Region) -> bool:
@@ -453,11 +503,14 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
     # What the region computes (with `loss`, before the op took in the loss math after it).
     outputs = [OutputRecord(label.kind, grad_flows(node) is not False, label.temperature)
                for node, label in zip(region.outputs, labels)]
-    wide = (head.logits if head is not None else input_nodes[program.wide_input_positions[0]]).meta["val"]
+    position = program.wide_input_positions[0]
+    frozen = {spec.position: f.logits for spec, f in zip(program.frozen_heads, site.frozen)}
+    wide = (head.logits if head is not None else frozen.get(position, input_nodes[position])).meta["val"]
     vocab = size_hint(wide.shape[-1])
     rows = size_hint(wide.numel()) // vocab if vocab else 0
     itemsize = wide.dtype.itemsize
-    extra = dict(gradients_in_forward=loss is not None, recompute_reason=site.recompute_reason)
+    extra = dict(gradients_in_forward=loss is not None, recompute_reason=site.recompute_reason,
+                 frozen_lm_heads=len(site.frozen))
     if head is not None:
         forward_workspace = program.workspace_bytes(rows, vocab, itemsize, backward=loss is not None)
         extra.update(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),

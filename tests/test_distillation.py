@@ -269,3 +269,111 @@ def test_must_not_match_a_head_beside_logits_that_need_a_gradient():
     record = backend.records[0]
     assert record.sites and not any(s.lm_head for s in record.sites)
     assert any("needs a gradient besides the lm_head's logits" in r.reason for r in record.rejected), record.rejected
+
+
+# ---- both lm_heads: the teacher's computed chunk by chunk too, without a gradient ------------------
+def _both_heads(loss, *, teacher_bias=False, teacher_transposed=False):
+    """`loss` over the student's `hidden @ W.T` and the teacher's, its matmul under no_grad."""
+    def heads_loss(hidden, weight, teacher_hidden, teacher_weight, mask):
+        with torch.no_grad():
+            if teacher_transposed:  # an [H, V] weight: hidden @ W
+                t = teacher_hidden @ teacher_weight
+            else:
+                t = F.linear(teacher_hidden, teacher_weight, teacher_weight[:, 0] if teacher_bias else None)
+        return loss(F.linear(hidden, weight), t, mask)
+    heads_loss.__name__ = f"{loss.__name__}_both_heads"
+    return heads_loss
+
+
+def _both_head_inputs(dtype=torch.float64, teacher_grad=False, rows=T, vocab=V, hidden_size=8, transposed=False):
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(rows, hidden_size, generator=g, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    teacher_hidden = torch.randn(rows, hidden_size, generator=g, dtype=dtype).requires_grad_(teacher_grad)
+    teacher_weight = (torch.randn(vocab, hidden_size, generator=g, dtype=dtype) * 0.7).requires_grad_(teacher_grad)
+    if transposed:
+        teacher_weight = teacher_weight.detach().t().contiguous().requires_grad_(teacher_grad)
+    mask = (torch.rand(rows, generator=g) > 0.25).to(dtype)
+    return [hidden, weight, teacher_hidden, teacher_weight, mask]
+
+
+def _compiled_parity(fn, tensors, atol=1e-10, **options):
+    refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
+    backend = graphpass.Backend(strict=True, **{"inner": "eager", **options})
+    out = torch.compile(fn, backend=backend)(*tensors)
+    ref = fn(*refs)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+    for mine, theirs in zip(tensors, refs):
+        assert (mine.grad is None) == (theirs.grad is None), "a gradient eager does not give, or none where it does"
+        if theirs.grad is not None:
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=atol, rtol=atol)
+    return [s for r in backend.records for s in r.sites], [c.reason for r in backend.records for c in r.rejected]
+
+
+@pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["fwd", "recomputed"])
+@pytest.mark.parametrize("loss", [forward_kl, reverse_kl, symmetric_kl, jsd, per_sequence_kl, hinton],
+                         ids=lambda f: f.__name__)
+def test_both_lm_heads_fuse(loss, gradients_in_forward):
+    """Both matmuls in the graph: the op computes each block's student and teacher logits from their
+    hidden states; neither `[T, V]` exists. The teacher's operands (requiring grad, under no_grad)
+    get no gradient, as in eager. Recomputed at T <= V, the backward takes vocabulary tiles."""
+    sites, rejected = _compiled_parity(_both_heads(loss), _both_head_inputs(teacher_grad=loss is forward_kl),
+                                       gradients_in_forward=gradients_in_forward, chunk_size=7)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(True, 1)], rejected
+    assert not any("lm_head" in r for r in rejected), rejected
+
+
+@pytest.mark.parametrize("variant", [dict(teacher_bias=True), dict(teacher_transposed=True)], ids=["bias", "transposed"])
+def test_the_teachers_head_with_a_bias_or_an_hv_weight(variant):
+    tensors = _both_head_inputs(transposed=variant.get("teacher_transposed", False))
+    sites, rejected = _compiled_parity(_both_heads(forward_kl, **variant), tensors, chunk_size=5)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(True, 1)], rejected
+
+
+def test_a_teachers_head_beside_given_student_logits():
+    """The student's logits come from outside (a graph input); the teacher's matmul is in the
+    graph: the op reads the one and computes the other."""
+    def loss(student, teacher_hidden, teacher_weight, mask):
+        with torch.no_grad():
+            t = F.linear(teacher_hidden, teacher_weight)
+        return forward_kl(student, t, mask)
+
+    hidden, weight, teacher_hidden, teacher_weight, mask = _both_head_inputs()
+    student = F.linear(hidden, weight).detach().requires_grad_()
+    sites, rejected = _compiled_parity(loss, [student, teacher_hidden, teacher_weight, mask], chunk_size=7)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(False, 1)], rejected
+
+
+def test_a_teachers_hidden_states_keep_their_gradient_from_elsewhere():
+    """The teacher's hidden states need a gradient from another term of the loss: the op gives
+    them none (none reaches its logits), autograd the other term's."""
+    def loss(hidden, weight, teacher_hidden, teacher_weight, mask):
+        with torch.no_grad():
+            t = F.linear(teacher_hidden, teacher_weight)
+        return forward_kl(F.linear(hidden, weight), t, mask) + (teacher_hidden ** 2).mean()
+
+    tensors = _both_head_inputs()
+    tensors[2].requires_grad_()
+    sites, rejected = _compiled_parity(loss, tensors, chunk_size=7)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(True, 1)], rejected
+
+
+def test_bf16_both_heads_as_close_to_float64_as_eager():
+    """bf16, gradients in forward: the weight's gradient over vocabulary tiles after row blocks
+    (the two passes of `ops.lm_head`), the teacher's tile logits recomputed in the second."""
+    tensors = _both_head_inputs(torch.bfloat16, rows=64, vocab=256, hidden_size=32)
+    fn = _both_heads(forward_kl)
+    exact = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+    fn(*exact).backward()
+    backend = graphpass.Backend(inner="eager", strict=True)
+    errors = {}
+    for name, f in (("graphpass", torch.compile(fn, backend=backend)), ("eager", fn)):
+        mine = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        f(*mine).backward()
+        errors[name] = max(float((m.grad.double() - r.grad).abs().max() / r.grad.abs().max())
+                           for m, r in zip(mine[:2], exact[:2]))
+    assert errors["graphpass"] <= 2 * errors["eager"], errors
+    sites = [s for r in backend.records for s in r.sites]
+    assert [(s.lm_head, s.frozen_lm_heads, s.gradients_in_forward) for s in sites] == [(True, 1, True)]

@@ -86,15 +86,24 @@ def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, 
     head, why = match_matmul(logits)
     if head is None:
         return None, why
-    lay = rowlocal.layout_of(fake_value(head.hidden), region.rows)
-    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != fake_value(head.hidden).ndim - 1:
-        return None, "its hidden states are not laid out over the region's rows"
+    why = hidden_over_rows(head, region)
+    if why is not None:
+        return None, why
     checks, why = other_readers(logits, set(region.nodes))
     if why is not None:
         return None, why
     if modes[logits] != modes[region.place]:
         return None, "the matmul runs in another grad mode than the region"
     return dataclasses.replace(head, nodes=[logits, *checks]), None
+
+
+def hidden_over_rows(head: LmHead, region) -> str | None:
+    """None when the head's hidden states are laid out over the region's rows, `[*rows, H]`; else why not."""
+    hidden = fake_value(head.hidden)
+    lay = rowlocal.layout_of(hidden, region.rows)
+    if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != hidden.ndim - 1:
+        return "its hidden states are not laid out over the region's rows"
+    return None
 
 
 def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:

@@ -20,7 +20,8 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.analysis.layouts import Role
-from graphpass.ops import devices
+from graphpass.ops import devices, head_matmul
+from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import ArgSpec, JointSplit
 
 # How an input lies over the region's rows (`graphpass.analysis.layouts`): WIDE inputs are read through
@@ -28,9 +29,10 @@ from graphpass.ops.joint import ArgSpec, JointSplit
 # passed as it is.
 WIDE, ROW, BCAST, SCALAR = Role.WIDE, Role.ROW, Role.BCAST, Role.SCALAR
 
-# fp32 [chunk, V] temporaries alive at once while a chunk's kernel runs. Inductor fuses each
-# kernel into passes over the vocabulary that keep nothing wide (the gradient is written in
-# place); run op by op, about three wide values are alive at once (e.g. exp, product, gradient).
+# fp32 [chunk, V] temporaries alive at once while a chunk's kernel runs, until a compiled kernel
+# says (`RegionProgram.kernel_temporary_bytes`). Inductor fuses most kernels into passes over the
+# vocabulary that keep nothing wide (the gradient is written in place), not all: JSD's keeps four;
+# run op by op, about three wide values are alive at once (e.g. exp, product, gradient).
 TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
 
@@ -62,7 +64,7 @@ class RegionProgram:
     """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
 
     def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner, device,
-                 index_checks=(), gradient_free=()):
+                 index_checks=(), gradient_free=(), frozen_heads=()):
         self.graph_module = graph_module
         self.device = torch.device(device)  # the kernels are traced and compiled for this device
         self.inputs: list[InputSpec] = list(inputs)
@@ -73,6 +75,10 @@ class RegionProgram:
         self.index_checks = tuple(index_checks)  # (input position, ignore_index or None): token ids
         # Inputs the program reads only under no_grad (a teacher's logits): they get no gradient.
         self.gradient_free = tuple(gradient_free)
+        # Wide inputs the op computes chunk by chunk as `hidden @ W.T`, with no gradient (a
+        # teacher's lm_head under no_grad): `head_matmul.HeadSpec`s, their operands gradient-free.
+        self.frozen_heads: tuple[HeadSpec, ...] = tuple(frozen_heads)
+        self.frozen_positions = frozenset(h.position for h in self.frozen_heads)
         self.key = self._content_key()
         self.split = JointSplit(graph_module, [_arg_spec(spec) for spec in self.inputs],
                                 differentiable_outputs=[j for j, o in enumerate(self.outputs) if o.keeps_grad],
@@ -95,7 +101,7 @@ class RegionProgram:
         """Everything that makes this program compute what it computes (its key hashes it)."""
         return (OPS_FORMAT, self.graph_module.code, self.inputs, self.outputs,
                 self.chunk_size, self.chunk_budget_bytes, self.inner, str(self.device), self.index_checks,
-                self.gradient_free)
+                self.gradient_free, self.frozen_heads)
 
     @property
     def total_positions(self) -> tuple[int, ...]:
@@ -117,15 +123,28 @@ class RegionProgram:
             return max(1, min(self.chunk_size, rows))
         floor = rows * vocab * grad_itemsize
         budget = max(self.chunk_budget_bytes, floor // 64)
-        return max(1, min(rows, budget // (vocab * 4)))
+        per_element = 4 + self.kernel_temporary_bytes(measured_only=True) + grad_itemsize * len(self.frozen_heads)
+        return max(1, min(rows, int(budget // (vocab * per_element))))
 
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         """Rows per chunk for these inputs; here forward and backward chunk alike."""
         return self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
 
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
-        """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs."""
-        return TEMPORARIES_PER_CHUNK[self.inner] * self.rows_per_chunk(rows, vocab, grad_itemsize) * vocab * 4
+        """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs (and a chunk
+        of each frozen head's logits)."""
+        per_element = self.kernel_temporary_bytes() + grad_itemsize * len(self.frozen_heads)
+        return int(per_element * self.rows_per_chunk(rows, vocab, grad_itemsize) * vocab)
+
+    def kernel_temporary_bytes(self, measured_only: bool = False) -> float:
+        """Bytes per element of `[chunk, V]` a kernel call allocates beyond its arguments: the most
+        any compiled kernel's generated code does (`_torch_api.compile_kernel`), else the estimate
+        `TEMPORARIES_PER_CHUNK` (with `measured_only`, 0)."""
+        kernels = [self._forward_kernel, *self._gradient_kernels.values()]
+        measured = [k.temporary_bytes for k in kernels if getattr(k, "temporary_bytes", None) is not None]
+        if measured:
+            return max(measured)
+        return 0 if measured_only else 4 * TEMPORARIES_PER_CHUNK[self.inner]
 
     # ---- fake ------------------------------------------------------------------------------
     def fake_outputs(self, tensors, out_sizes):
@@ -159,20 +178,26 @@ class RegionProgram:
     def _layout(self, tensors):
         """(rows R, vocab V, blocks) where each block is (row offset, row count, wide 2-D views)."""
         wide = [tensors[i] for i in self.wide_input_positions]
-        vocab = wide[0].shape[-1]
-        rows = wide[0].numel() // vocab if vocab else 0
+        vocab = self._vocab(tensors)
+        rows = wide[0].numel() // wide[0].shape[-1] if wide[0].shape[-1] else 0
         try:
             return rows, vocab, [(0, rows, [w.view(rows, w.shape[-1]) for w in wide])]
         except RuntimeError:
             pass
-        # A strided view such as logits[:, :-1]: walk its leading dims, each slice is a 2-D view.
-        if any(w.shape != wide[0].shape for w in wide):
+        # A strided view such as logits[:, :-1]: walk its leading dims, each slice is a 2-D view
+        # (a frozen head's hidden states, `[..., H]`, alike).
+        if any(w.shape[:-1] != wide[0].shape[:-1] for w in wide):
             return rows, vocab, [(0, rows, [w.reshape(rows, w.shape[-1]) for w in wide])]
         lead, inner_rows = wide[0].shape[:-2], wide[0].shape[-2]
         blocks = []
         for n, index in enumerate(itertools.product(*map(range, lead))):
             blocks.append((n * inner_rows, inner_rows, [w[index] for w in wide]))
         return rows, vocab, blocks
+
+    def _vocab(self, tensors) -> int:
+        """V: the last size of a wide input given as a tensor, else a frozen head's."""
+        given = [i for i in self.wide_input_positions if i not in self.frozen_positions]
+        return tensors[given[0]].shape[-1] if given else head_matmul.vocab(self.frozen_heads[0], tensors)
 
     def _canonical(self, tensor, spec: InputSpec, rows: int):
         if spec.role == ROW:
@@ -209,7 +234,7 @@ class RegionProgram:
         outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=wide.device) for spec in self.outputs]
         outs += self.empty_saved(wide)
         if rows:
-            kernel = self._get_forward_kernel()
+            kernel = self._get_forward_kernel()  # first: compiling it tells its temporaries
             chunk = self._chunk_rows(tensors, rows, vocab, backward=False)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
@@ -239,11 +264,14 @@ class RegionProgram:
             self._forward_kernel = self._compile(self.split.forward)
         return self._forward_kernel
 
-    def _compile(self, graph_module):
+    def _compile(self, graph_module, measure: bool = True):
+        """The inner compiler's kernel; with `measure`, compiled at once to learn its temporaries
+        (`kernel_temporary_bytes`): a kernel over vocabulary tiles is not (its width is the tile's)."""
         # Regenerate the module's code now, at run time: code generated while Dynamo was
         # compiling the user's graph is on Dynamo's skip list and would not compile.
         graph_module.recompile()
-        return _torch_api.compile_kernel(graph_module, self.inner)
+        width = next((spec.width for spec in self.inputs if spec.role == WIDE), None) if measure else None
+        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width)
 
     # ---- forward and backward in one pass ------------------------------------------------
     def forward_with_gradients(self, tensors, out_sizes, needs_grad, seeds):
@@ -317,9 +345,9 @@ class RegionProgram:
             return grads
         rows, vocab, blocks = self._layout(tensors)
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
+        kernel = self._get_gradient_kernel("backward", active, wanted)  # first: it tells its temporaries
         chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
         sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
-        kernel = self._get_gradient_kernel("backward", active, wanted)
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
             chunk_sums = kernel(*self._kernel_args(tensors, args, sl, sinks), *[s[sl] for s in saved],
                                 *[g[sl] for g in flat_grad_outputs], *[sink.slot(sl) for sink in sinks])
@@ -361,6 +389,15 @@ class RegionProgram:
     def _kernel_args(self, tensors, args, sl, sinks=()):
         """The kernel's arguments for the chunk of rows `sl`, from the chunk's views of the op's
         inputs (`sinks`: the backward's gradient sinks, none in forward)."""
+        return self._with_frozen_logits(tensors, args)
+
+    def _with_frozen_logits(self, tensors, args, columns: slice = slice(None)) -> list:
+        """`args` with each frozen head's hidden-state chunk replaced by its logits (`columns` of them)."""
+        if not self.frozen_heads:
+            return args
+        args = list(args)
+        for head in self.frozen_heads:
+            args[head.position] = head_matmul.logits(head, tensors, args[head.position], columns=columns)
         return args
 
     def _kernel_wanted(self, needs_grad) -> tuple[int, ...]:
@@ -375,7 +412,7 @@ class RegionProgram:
         key = (kind, active, wanted)
         if key not in self._gradient_kernels:
             graph = self._traced.pop(key, None) or getattr(self.split, kind)(active, wanted)
-            self._gradient_kernels[key] = self._compile(graph)
+            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile")
         return self._gradient_kernels[key]
 
     def prepare_gradients_in_forward(self, needs_grad) -> None:

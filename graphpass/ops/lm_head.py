@@ -40,13 +40,13 @@ computed in fp32 (`devices.mm_into`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
-from graphpass.ops import devices
-from graphpass.ops.chunked_op import TEMPORARIES_PER_CHUNK, BCAST, WIDE, RegionProgram, empty_gradient
+from graphpass.ops import devices, head_matmul
+from graphpass.ops.chunked_op import BCAST, WIDE, RegionProgram, empty_gradient
+from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import NotTileable
 
 log = logging.getLogger("graphpass")
@@ -54,21 +54,6 @@ log = logging.getLogger("graphpass")
 # Vocabulary entries per tile at least: narrower tiles make GEMMs that stream the hidden states
 # once per few columns.
 _MIN_TILE_COLUMNS = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadSpec:
-    """Where the lm_head's operands are among the op's tensors."""
-
-    position: int
-    """The kernel's wide input the head computes; the op's tensor there is the hidden states."""
-    weight: int
-    """Position of the weight among the op's tensors (after the kernel's inputs)."""
-    bias: int | None
-    """Position of the bias, or None."""
-    weight_transposed: bool
-    """False: the weight is `[V, H]` (logits = hidden @ W.T); True: it is `[H, V]`."""
-    hidden_size: int
 
 
 class LinearHeadProgram(RegionProgram):
@@ -161,9 +146,10 @@ class LinearHeadProgram(RegionProgram):
         return itemsize < 4 and not self._saving_wanted and devices.host_reads_are_free(self.device)
 
     def _bytes_per_element(self, itemsize: int, backward: bool, upcast: bool) -> float:
-        """Temporary bytes per element of a block (or tile) of `[rows, V]`: the logits, the
-        kernel's temporaries, with `upcast` (in backward) the logits' fp32 copy."""
-        return itemsize + 4 * TEMPORARIES_PER_CHUNK[self.inner] + (4 if upcast and backward else 0)
+        """Temporary bytes per element of a block (or tile) of `[rows, V]`: the logits (a frozen
+        head's too), the kernel's temporaries, with `upcast` (in backward) the logits' fp32 copy."""
+        logits = itemsize * (1 + len(self.frozen_heads))  # the head's and each frozen head's
+        return logits + self.kernel_temporary_bytes() + (4 if upcast and backward else 0)
 
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Rows per call of the region's kernel: a block."""
@@ -203,9 +189,8 @@ class LinearHeadProgram(RegionProgram):
     # ---- layout ------------------------------------------------------------------------
     def _layout(self, tensors):
         """(rows, V, blocks) as the base's, with the hidden states `[rows, H]` as the head's view."""
-        head = self.head
-        hidden, weight = tensors[head.position], tensors[head.weight]
-        vocab = weight.shape[1] if head.weight_transposed else weight.shape[0]
+        hidden = tensors[self.head.position]
+        vocab = head_matmul.vocab(self.head, tensors)
         rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
         views = []
         for i in self.wide_input_positions:
@@ -214,25 +199,11 @@ class LinearHeadProgram(RegionProgram):
         return rows, vocab, [(0, rows, views)]
 
     def _logits(self, tensors, hidden_chunk, out=None, columns: slice = slice(None)):
-        """`hidden_chunk @ W.T (+ b)`, into `out` when given; with `columns`, those logits only.
-        A block's, on the CPU in fp32 with H >= 512, by `_logits_by_vocab_tiles`; else one GEMM.
-        The A/B step on this CPU (2 cores, load 2): PPO at T=2048, H=1024, V=32768 fp32 0.89 x
-        inductor's time by tiles, 0.95 x by one GEMM; bf16 1.12 x against 1.06 x; the loss
-        outside at H=256, V=65536 fp32 1.03 x against 0.99 x (a tile's transposing copy costs what
-        the faster product saves when H is small, and bf16 products are 2.5 x faster)."""
-        head = self.head
-        weight = tensors[head.weight]
-        bias = tensors[head.bias] if head.bias is not None else None
-        if (columns == slice(None) and devices.host_reads_are_free(hidden_chunk.device)
-                and hidden_chunk.element_size() >= 4 and head.hidden_size >= 512):
-            return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
-        right = weight[:, columns] if head.weight_transposed else weight[columns].t()
-        if bias is None:
-            return torch.mm(hidden_chunk, right, out=out)
-        return torch.addmm(bias[columns], hidden_chunk, right, out=out)
+        """The head's logits for `hidden_chunk` (`head_matmul.logits`)."""
+        return head_matmul.logits(self.head, tensors, hidden_chunk, out, columns)
 
     def _kernel_args(self, tensors, args, sl, sinks=()):
-        args = list(args)
+        args = self._with_frozen_logits(tensors, args)
         head_sinks = [sink for sink in sinks if isinstance(sink, _HeadGradients)]
         if head_sinks:  # the kernel reads the chunk's logits from its slot; a saving kernel's slots
             head_sinks[0].logits(sl)
@@ -354,8 +325,9 @@ class LinearHeadProgram(RegionProgram):
             n = columns.stop - start
             logits = self._logits(tensors, hidden, out=tile[:rows * n].view(n, rows).t(), columns=columns)
             for sl, args in self._chunks(tensors, rows, blocks, chunk):
-                args = [_columns(a, spec, vocab, columns) for i, (a, spec) in enumerate(zip(args, self.inputs))
-                        if i != head.position]
+                args = self._with_frozen_logits(tensors, args, columns)
+                args = [a if i in self.frozen_positions else _columns(a, spec, vocab, columns)
+                        for i, (a, spec) in enumerate(zip(args, self.inputs)) if i != head.position]
                 kernel(*args, *[v[sl] for v in row_values], logits[sl], offsets[k])
             if head.weight_transposed:  # dW [H, V]: its tile's columns
                 torch.mm(hidden.t(), logits, out=weight_grad[:, columns])
@@ -422,31 +394,6 @@ def _columns(arg, spec, vocab: int, columns: slice):
     if spec.role == WIDE or (spec.role == BCAST and spec.width == vocab):
         return arg[:, columns]
     return arg
-
-
-# Vocabulary entries per tile of `_logits_by_vocab_tiles`: a tile's `[tile, rows]` product stays
-# in cache while it is copied into the logits.
-_VOCAB_TILE = 2048
-
-
-def _logits_by_vocab_tiles(hidden, weight, bias, weight_transposed, out=None):
-    """`hidden @ W.T (+ bias)` as `[rows, V]`, computed a vocabulary tile at a time as
-    `(W[tile] @ hidden.T).T`: for a block of a few hundred rows MKL multiplies the weight as the
-    left operand about 30 % faster than `hidden @ W.T` (0.77 s against 1.10 s for T=1920, H=1024,
-    V=32768 in 160-row blocks, fp32, 2 cores), and each tile's transpose is a copy in cache (where
-    it pays: `LinearHeadProgram._logits`)."""
-    vocab = weight.shape[1] if weight_transposed else weight.shape[0]
-    if out is None:
-        out = torch.empty(hidden.shape[0], vocab, dtype=hidden.dtype, device=hidden.device)
-    for start in range(0, vocab, _VOCAB_TILE):
-        stop = min(vocab, start + _VOCAB_TILE)
-        tile = weight[:, start:stop].t() if weight_transposed else weight[start:stop]
-        if bias is None:
-            product = torch.mm(tile, hidden.t())
-        else:
-            product = torch.addmm(bias[start:stop, None], tile, hidden.t())
-        out[:, start:stop].copy_(product.t())
-    return out
 
 
 class _HeadGradients:
