@@ -35,6 +35,11 @@ class Config:
     the forward on; False recomputes them in backward (a forward with grad that is never
     backpropagated then costs no GEMMs for them)."""
 
+    never_worse: bool = True
+    """Run a graph as written where the memory model (`graphpass.memory`) predicts its rewrite to
+    peak above it (by more than an eighth and 1 MiB), the reason recorded. Graphs with tensor- or context-parallel sites are exempt:
+    every rank must take the same decision, and their shapes may differ."""
+
     disable_passes: tuple[str, ...] = ()
     """Names of passes to skip, e.g. ("chunk_rowwise_regions_pass",) to run the graph unrewritten.
 
@@ -61,6 +66,8 @@ class Config:
             raise ValueError(
                 f"graphpass: inner must be one of {', '.join(INNER_COMPILERS)}; got {self.inner!r}"
             )
+        if not isinstance(self.never_worse, bool):
+            raise ValueError(f"graphpass: never_worse must be True or False, got {self.never_worse!r}")
         if not isinstance(self.gradients_in_forward, bool):
             raise ValueError(f"graphpass: gradients_in_forward must be True or False, got {self.gradients_in_forward!r}")
         object.__setattr__(self, "disable_passes", check_pass_names(self.disable_passes))

@@ -165,6 +165,30 @@ def test_failing_pass_falls_back_and_strict_raises(monkeypatch):
         torch.compile(logprob_entropy, backend=strict)(logits, tokens)
 
 
+def test_a_rewrite_the_memory_model_says_peaks_higher_runs_as_written(monkeypatch):
+    """Never worse: where the model predicts the rewritten graph to peak above the graph as
+    written, the graph runs as written, and the record says why; `never_worse=False` keeps it."""
+    from graphpass import memory
+
+    real = memory.estimate_rewrite
+
+    def worse(result):
+        estimate = real(result)
+        estimate.after.peak_bytes = 2 * estimate.before.peak_bytes + (2 << 20)
+        return estimate
+
+    monkeypatch.setattr(memory, "estimate_rewrite", worse)
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    _check_parity(logprob_entropy, backend, 7)
+    record = backend.records[0]
+    assert record.sites == [] and "above the graph as written" in record.fallback_reason
+
+    torch.compiler.reset()
+    keep = graphpass.Backend(chunk_size=4, inner="aot_eager", never_worse=False)
+    _check_parity(logprob_entropy, keep, 7)
+    assert keep.records[0].sites and keep.records[0].fallback_reason is None
+
+
 def test_out_of_range_token_id_raises_clear_error():
     logits, tokens = _inputs(6)
     tokens[3] = V + 5
