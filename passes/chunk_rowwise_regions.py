@@ -27,8 +27,7 @@ from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_no
                                   same_size, size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
-from graphpass.analysis.lm_head import (METADATA_CHECKS, LmHead, hidden_over_rows, match_lm_head, match_matmul,
-                                       other_readers)
+from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head
 from graphpass.analysis.regions import Region, find_regions, source_of
 from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
@@ -188,18 +187,12 @@ def _frozen_heads(region: Region, head: LmHead | None, record) -> tuple:
     for node in region.inputs:
         if (head is not None and node is head.logits) or not _is_wide_input(region, node) or grad_flows(node) is not False:
             continue
-        frozen, why = match_matmul(node)
-        if frozen is None and why is None:
-            continue  # not a matmul
-        if why is None:
-            why = hidden_over_rows(frozen, region)
-        if why is None:
-            checks, why = other_readers(node, set(region.nodes))
+        frozen, why = match_lm_head(region, node, modes=None)  # any grad mode: no gradient
         if why is not None:
             record.rejected.append(Rejection(source_of(node), f"gradient-free lm_head not fused into the region at "
                                                               f"{source_of(region.anchor)}: {why}"))
-            continue
-        found.append(dataclasses.replace(frozen, nodes=[node, *checks]))
+        if frozen is not None:
+            found.append(frozen)
     return tuple(found)
 
 

@@ -106,9 +106,11 @@ def _inputs(dtype=torch.float64, teacher_grad=False, seed=0):
     return [student, teacher, mask]
 
 
-def _parity(loss, tensors, inner="eager", atol=1e-10):
+def _parity(loss, tensors, inner="eager", atol=1e-10, **options):
+    """Compile `loss` with graphpass (`options` for its Backend), compare the value and every input's
+    gradient with eager; the graph's record."""
     refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
-    backend = graphpass.Backend(inner=inner, strict=True)
+    backend = graphpass.Backend(inner=inner, strict=True, **options)
     out = torch.compile(loss, backend=backend)(*tensors)
     ref = loss(*refs)
     out.backward()
@@ -297,21 +299,6 @@ def _both_head_inputs(dtype=torch.float64, teacher_grad=False, rows=T, vocab=V, 
     return [hidden, weight, teacher_hidden, teacher_weight, mask]
 
 
-def _compiled_parity(fn, tensors, atol=1e-10, **options):
-    refs = [x.detach().clone().requires_grad_(x.requires_grad) for x in tensors]
-    backend = graphpass.Backend(strict=True, **{"inner": "eager", **options})
-    out = torch.compile(fn, backend=backend)(*tensors)
-    ref = fn(*refs)
-    out.backward()
-    ref.backward()
-    torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
-    for mine, theirs in zip(tensors, refs):
-        assert (mine.grad is None) == (theirs.grad is None), "a gradient eager does not give, or none where it does"
-        if theirs.grad is not None:
-            torch.testing.assert_close(mine.grad, theirs.grad, atol=atol, rtol=atol)
-    return [s for r in backend.records for s in r.sites], [c.reason for r in backend.records for c in r.rejected]
-
-
 @pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["fwd", "recomputed"])
 @pytest.mark.parametrize("loss", [forward_kl, reverse_kl, symmetric_kl, jsd, per_sequence_kl, hinton],
                          ids=lambda f: f.__name__)
@@ -319,17 +306,17 @@ def test_both_lm_heads_fuse(loss, gradients_in_forward):
     """Both matmuls in the graph: the op computes each block's student and teacher logits from their
     hidden states; neither `[T, V]` exists. The teacher's operands (requiring grad, under no_grad)
     get no gradient, as in eager. Recomputed at T <= V, the backward takes vocabulary tiles."""
-    sites, rejected = _compiled_parity(_both_heads(loss), _both_head_inputs(teacher_grad=loss is forward_kl),
-                                       gradients_in_forward=gradients_in_forward, chunk_size=7)
-    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(True, 1)], rejected
-    assert not any("lm_head" in r for r in rejected), rejected
+    record = _parity(_both_heads(loss), _both_head_inputs(teacher_grad=loss is forward_kl),
+                     gradients_in_forward=gradients_in_forward, chunk_size=7)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in record.sites] == [(True, 1)], record.rejected
+    assert not any("lm_head" in r.reason for r in record.rejected), record.rejected
 
 
 @pytest.mark.parametrize("variant", [dict(teacher_bias=True), dict(teacher_transposed=True)], ids=["bias", "transposed"])
 def test_the_teachers_head_with_a_bias_or_an_hv_weight(variant):
     tensors = _both_head_inputs(transposed=variant.get("teacher_transposed", False))
-    sites, rejected = _compiled_parity(_both_heads(forward_kl, **variant), tensors, chunk_size=5)
-    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(True, 1)], rejected
+    record = _parity(_both_heads(forward_kl, **variant), tensors, chunk_size=5)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in record.sites] == [(True, 1)], record.rejected
 
 
 def test_a_teachers_head_beside_given_student_logits():
@@ -342,8 +329,8 @@ def test_a_teachers_head_beside_given_student_logits():
 
     hidden, weight, teacher_hidden, teacher_weight, mask = _both_head_inputs()
     student = F.linear(hidden, weight).detach().requires_grad_()
-    sites, rejected = _compiled_parity(loss, [student, teacher_hidden, teacher_weight, mask], chunk_size=7)
-    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(False, 1)], rejected
+    record = _parity(loss, [student, teacher_hidden, teacher_weight, mask], chunk_size=7)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in record.sites] == [(False, 1)], record.rejected
 
 
 def test_a_teachers_hidden_states_keep_their_gradient_from_elsewhere():
@@ -356,8 +343,8 @@ def test_a_teachers_hidden_states_keep_their_gradient_from_elsewhere():
 
     tensors = _both_head_inputs()
     tensors[2].requires_grad_()
-    sites, rejected = _compiled_parity(loss, tensors, chunk_size=7)
-    assert [(s.lm_head, s.frozen_lm_heads) for s in sites] == [(True, 1)], rejected
+    record = _parity(loss, tensors, chunk_size=7)
+    assert [(s.lm_head, s.frozen_lm_heads) for s in record.sites] == [(True, 1)], record.rejected
 
 
 def test_bf16_both_heads_as_close_to_float64_as_eager():

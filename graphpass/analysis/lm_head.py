@@ -81,29 +81,22 @@ def _operands(node):
 def match_lm_head(region, logits: torch.fx.Node, modes) -> tuple[LmHead | None, str | None]:
     """The lm_head that computes `logits` (a wide input of `region`), or (None, why not).
 
-    (None, None): `logits` is not computed by a matmul at all (nothing to say).
+    (None, None): `logits` is not computed by a matmul at all (nothing to say). `modes` (grad mode
+    per node): the matmul must run in the region's; None for a head no gradient reaches.
     """
     head, why = match_matmul(logits)
     if head is None:
         return None, why
-    why = hidden_over_rows(head, region)
-    if why is not None:
-        return None, why
-    checks, why = other_readers(logits, set(region.nodes))
-    if why is not None:
-        return None, why
-    if modes[logits] != modes[region.place]:
-        return None, "the matmul runs in another grad mode than the region"
-    return dataclasses.replace(head, nodes=[logits, *checks]), None
-
-
-def hidden_over_rows(head: LmHead, region) -> str | None:
-    """None when the head's hidden states are laid out over the region's rows, `[*rows, H]`; else why not."""
     hidden = fake_value(head.hidden)
     lay = rowlocal.layout_of(hidden, region.rows)
     if lay is None or lay.kind != rowlocal.ROW or lay.row_dims != hidden.ndim - 1:
-        return "its hidden states are not laid out over the region's rows"
-    return None
+        return None, "its hidden states are not laid out over the region's rows"
+    checks, why = other_readers(logits, set(region.nodes))
+    if why is not None:
+        return None, why
+    if modes is not None and modes[logits] != modes[region.place]:
+        return None, "the matmul runs in another grad mode than the region"
+    return dataclasses.replace(head, nodes=[logits, *checks]), None
 
 
 def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:

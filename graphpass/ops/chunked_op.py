@@ -31,7 +31,7 @@ WIDE, ROW, BCAST, SCALAR = Role.WIDE, Role.ROW, Role.BCAST, Role.SCALAR
 
 # fp32 [chunk, V] temporaries alive at once while a chunk's kernel runs, until a compiled kernel
 # says (`RegionProgram.kernel_temporary_bytes`). Inductor fuses most kernels into passes over the
-# vocabulary that keep nothing wide (the gradient is written in place), not all: JSD's keeps four;
+# vocabulary that keep nothing wide (the gradient is written in place), not all: JSD's keeps five;
 # run op by op, about three wide values are alive at once (e.g. exp, product, gradient).
 TEMPORARIES_PER_CHUNK = {"inductor": 0, "aot_eager": 3, "eager": 3}
 
@@ -392,9 +392,8 @@ class RegionProgram:
         return self._with_frozen_logits(tensors, args)
 
     def _with_frozen_logits(self, tensors, args, columns: slice = slice(None)) -> list:
-        """`args` with each frozen head's hidden-state chunk replaced by its logits (`columns` of them)."""
-        if not self.frozen_heads:
-            return args
+        """A copy of `args` with each frozen head's hidden-state chunk replaced by its logits
+        (`columns` of them)."""
         args = list(args)
         for head in self.frozen_heads:
             args[head.position] = head_matmul.logits(head, tensors, args[head.position], columns=columns)
