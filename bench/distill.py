@@ -124,7 +124,8 @@ def measure(spec: DistillSpec) -> dict:
             sites = [s for r in backend.records for s in r.sites]
             return dict(sites=len(sites), lm_head_sites=sum(s.lm_head for s in sites),
                         wide_inputs=[s.wide_inputs for s in sites],
-                        rejected=[c.reason for r in backend.records for c in r.rejected][:4])
+                        rejected=[c.reason for r in backend.records for c in r.rejected][:4],
+                        fallback=[r.fallback_reason for r in backend.records if r.fallback_reason])
     inputs = make_inputs(spec)
     hidden, weight = inputs[:2]
     loss = None

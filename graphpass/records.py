@@ -35,6 +35,11 @@ class CollectiveRecord:
     """Bytes this rank contributes, at the recorded shape (symbolic sizes at their example values)."""
 
 
+#: node.meta key on the plain math `passes.replace_hand_written_functions` puts for a Function: the
+#: Function's source line, which the site that chunks the math records (`SiteRecord.replaced_function`).
+REPLACED_FUNCTION = "graphpass_replaced_function"
+
+
 @dataclasses.dataclass
 class SiteRecord:
     """A row-local region replaced by one chunked, recomputing op."""
@@ -93,6 +98,9 @@ class SiteRecord:
     recompute_reason: str | None = None
     """Why the site's backward recomputes its wide values instead (None: it does not, or no
     output keeps a gradient)."""
+    replaced_function: str | None = None
+    """The source line of the hand-written autograd.Function (one device, its backward checked:
+    `passes.replace_hand_written_functions`) whose plain math this site computes; None: none."""
 
     @property
     def grads_kept(self) -> list[bool]:

@@ -34,7 +34,7 @@ from graphpass.ops import chunked_op
 from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.lm_head import LinearHeadProgram
-from graphpass.records import OutputRecord, Rejection, SiteRecord
+from graphpass.records import REPLACED_FUNCTION, OutputRecord, Rejection, SiteRecord
 
 log = logging.getLogger("graphpass")
 aten = torch.ops.aten
@@ -502,8 +502,9 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
     vocab = size_hint(wide.shape[-1])
     rows = size_hint(wide.numel()) // vocab if vocab else 0
     itemsize = wide.dtype.itemsize
+    replaced = sorted({n.meta[REPLACED_FUNCTION] for n in region.nodes if REPLACED_FUNCTION in n.meta})
     extra = dict(gradients_in_forward=loss is not None, recompute_reason=site.recompute_reason,
-                 frozen_lm_heads=len(site.frozen))
+                 frozen_lm_heads=len(site.frozen), replaced_function=", ".join(replaced) or None)
     if head is not None:
         forward_workspace = program.workspace_bytes(rows, vocab, itemsize, backward=loss is not None)
         extra.update(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),

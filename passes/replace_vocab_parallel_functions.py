@@ -43,7 +43,7 @@ from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
-                                                match_graph, match_token_loss, single_device_kinds,
+                                                match_graph, match_token_loss,
                                                 values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of, written_inputs
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
@@ -586,7 +586,7 @@ def _match_function(hop, stub) -> VocabParallelMatch | str | None:
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
     match = match_forward(captured.gm, outputs, _rank_and_size)
     if match == NOT_PARALLEL:
-        return _single_device_reason(captured.gm, outputs)
+        return None  # one device: replace_hand_written_functions' business
     if isinstance(match, str):
         return f"vocab-parallel Function kept: {match}"
     # The forward's inputs are the stub's tensors, in order.
@@ -594,19 +594,6 @@ def _match_function(hop, stub) -> VocabParallelMatch | str | None:
     return dataclasses.replace(
         match, logits=tensors[placeholders.index(match.logits)],
         target=None if match.target is None else tensors[placeholders.index(match.target)])
-
-
-def _single_device_reason(gm, outputs) -> str | None:
-    """Why a Function without collectives whose captured forward `gm` computes log-probs or
-    entropies (its `outputs`) stays as it is; None for any other. The op would stand in for its
-    hand-written backward too, which graphpass cannot check against the forward's gradient."""
-    kinds = single_device_kinds(gm, outputs)
-    if kinds is None:
-        return None
-    what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in kinds))
-    return (f"autograd.Function kept: its forward computes the {what} of its logits with no collective, but "
-            "its backward is hand-written, and graphpass replaces one only in vocab-parallel code; write the "
-            "same math without the Function (torch.log_softmax(logits, -1).gather(...)) to have it chunked")
 
 
 def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:

@@ -7,8 +7,7 @@ and logits gradients against eager and against one device in float64, the site r
 collectives each rank issued (one all-gather per Function call, none in backward, the same on
 every rank; at TP=1, a group of one, none). Functions that get the math wrong in one place (a
 rank-local shift, a wrong first column, a local entropy, an unmasked target) must stay as they are,
-with the reason recorded; so must a Function with no collective at all, whose hand-written backward
-graphpass does not replace on one device (the reason says what to write instead).
+with the reason recorded. (One-device Functions, no collective at all: tests/test_hand_written_functions.py.)
 
 One spawn per group size runs every case (`_spawned`): each spawn costs seconds.
 """
@@ -324,62 +323,3 @@ def test_ranks_differing_in_grad_mode_and_ownership_issue_the_same_collectives()
     assert all(log == logs[0] for log in logs) and len(logs[0]) == 1, logs
     for log, err, sites in per_rank:
         assert err < 1e-5 and sites == [4], (err, sites)
-
-
-# ---- one device: a hand-written Function without collectives -------------------------------------
-class _OneDeviceLogProbEntropy(torch.autograd.Function):
-    """Log-prob and entropy with a hand-written backward and no collective (`kind` "entropy": the
-    first output is the row's log-sum-exp instead, which is no log-prob)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, kind: str):
-        row_max = logits.max(dim=-1, keepdim=True).values
-        exp = (logits - row_max).exp()
-        sum_exp = exp.sum(dim=-1, keepdim=True)
-        softmax = exp / sum_exp
-        mean_x = (softmax * logits).sum(dim=-1, keepdim=True)
-        entropy = (row_max + sum_exp.log() - mean_x)[:, 0]
-        first = logits.gather(1, target[:, None]) if kind == "logprob" else row_max
-        ctx.save_for_backward(softmax, target, mean_x, logits)
-        ctx.kind = kind
-        return (first - row_max - sum_exp.log())[:, 0], entropy
-
-    @staticmethod
-    def backward(ctx, grad_first, grad_entropy):
-        softmax, target, mean_x, logits = ctx.saved_tensors
-        grad = (mean_x - logits) * softmax * grad_entropy[:, None] - softmax * grad_first[:, None]
-        if ctx.kind == "logprob":
-            grad = grad.scatter_add(1, target[:, None], grad_first[:, None])
-        else:
-            grad = grad + (logits == logits.max(dim=-1, keepdim=True).values) * 0.0
-        return grad, None, None
-
-
-@pytest.mark.parametrize("kind", ["logprob", "entropy"])
-def test_a_function_without_collectives_runs_as_written_and_says_why(kind):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(T, 40, generator=g, dtype=torch.float64)
-    target = torch.randint(0, 40, (T,), generator=g)
-    old, adv = torch.randn(T, generator=g, dtype=torch.float64) - 3, torch.randn(T, generator=g, dtype=torch.float64)
-
-    def fn(logits):
-        first, entropy = _OneDeviceLogProbEntropy.apply(logits, target, kind)
-        return ppo_loss(first, old, adv, entropy)
-
-    eager_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    fn(eager_x).backward()
-    torch._dynamo.reset()
-    backend = graphpass.Backend(inner="aot_eager")
-    value = torch.compile(fn, backend=backend)(x)
-    value.backward()
-    assert _err(value, fn(eager_x.detach())) <= 1e-12 and _err(x.grad, eager_x.grad) <= 1e-12
-    record = backend.records[0]
-    assert record.sites == [] and record.fallback_reason is None, record
-    reasons = [r.reason for r in record.rejected if "hand-written" in r.reason]
-    # Only the Function whose forward is a log-prob and an entropy gets the reason (the other's
-    # first output is no log-prob: the Function is simply not one of this pass's).
-    if kind == "logprob":
-        assert len(reasons) == 1 and "log-prob and entropy of its logits with no collective" in reasons[0], reasons
-        assert "torch.log_softmax" in reasons[0]
-    else:
-        assert reasons == [], reasons

@@ -433,14 +433,15 @@ def _full_index(ev, n):
 _OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: _select_unit, aten.index: _full_index}
 
 
-def single_device_kinds(gm: torch.fx.GraphModule, outputs: list) -> tuple[str, ...] | None:
-    """What a Function's forward `gm` without collectives computes, when each of `outputs` is
-    exactly a log-prob, an entropy (or a negation) of its one wide input, or empty; else None."""
+def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParallelMatch | None:
+    """The match of a Function's forward `gm` without collectives, when each of `outputs` is exactly
+    a log-prob, an entropy (or a negation) of its one wide input, or empty (`group_size` 1, no
+    group); else None."""
     wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
     if len(wide) != 1 or any(recognize.packet(n) is _COLLECTIVES.all_reduce for n in gm.graph.nodes):
         return None
     match = _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
-    return None if isinstance(match, str) else match.outputs
+    return None if isinstance(match, str) else match
 
 
 def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch | str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import Case, choices, gen, logits_leaf, near_logp, one_or_each, randn, seq_offset
+from . import Case, choices, gen, logits_leaf, n_chunks, near_logp, one_or_each, randn, seq_offset
 
 TEMP = 0.8
 CHUNK = 8  # args.log_probs_chunk_size
@@ -276,7 +276,7 @@ CASES = [
          "slime/utils/ppo_utils.py:calculate_log_probs_and_entropy (chunked), _VocabParallelLogProbEntropy "
          "(autograd.Function, tp=1), compute_policy_loss (eps_clip_c), compute_approx_kl; "
          "slime/backends/megatron_utils/loss.py:get_log_probs_and_entropy, policy_loss_function",
-         fused_ppo, slime_inputs(71), ((),), dtypes=("fp32",), grad_kinds=()),
+         fused_ppo, slime_inputs(71), tuple(one_or_each("entropy+logprob", n_chunks(T, CHUNK))), dtypes=("fp32",)),
     Case("slime_entropy_function_cispo", "slime",
          "slime/utils/ppo_utils.py@2025 (before #2144): _VocabParallelEntropy (autograd.Function) on "
          "chunk.clone(), compute_log_probs (fused vocab-parallel CE, tp=1), compute_cispo_loss, "

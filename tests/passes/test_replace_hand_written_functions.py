@@ -1,0 +1,248 @@
+"""Hand-written one-device log-prob/entropy `autograd.Function`s compiled with graphpass.
+
+Where the forward computes exactly log-probs and/or entropies and the backward is their gradient
+(checked on a few float64 rows, `graphpass.analysis.backward_check`), the Function becomes plain
+math that the chunk pass rewrites: one site, the lm_head fused when the matmul is in the graph,
+values and every input gradient as eager's. Twins whose backward differs (a dropped entropy
+gradient, a forgotten temperature, a straight-through estimate, a branch on logits, a gradient for
+another input) must run as written, the user's backward kept, with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphpass
+
+T, V, H = 12, 40, 16
+
+
+def _err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs() / b.abs().clamp_min(1)).max().item() if a.numel() else 0.0
+
+
+# ---- Functions whose backward is right ------------------------------------------------------------
+class _SlimeStyle(torch.autograd.Function):
+    """slime's log-prob and entropy without a group: upcast, temperature inside, a scatter_add
+    of the target's gradient; `with_entropy` False returns an empty entropy, as slime does."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature: float, with_entropy: bool):
+        x = logits.float() / temperature
+        row_max = x.max(dim=-1, keepdim=True).values
+        exp = (x - row_max).exp()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        softmax = exp / sum_exp
+        lse = row_max + sum_exp.log()
+        logprob = (x.gather(-1, target[:, None]) - lse)[:, 0]
+        entropy = (lse - (softmax * x).sum(-1, keepdim=True))[:, 0] if with_entropy else logits.new_zeros((0,))
+        ctx.save_for_backward(softmax, target, x, lse)
+        ctx.temperature, ctx.with_entropy, ctx.dtype = temperature, with_entropy, logits.dtype
+        return logprob.to(logits.dtype), entropy.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        softmax, target, x, lse = ctx.saved_tensors
+        grad = -softmax * grad_logprob.float()[:, None]
+        grad = grad.scatter_add(-1, target[:, None], grad_logprob.float()[:, None])
+        if ctx.with_entropy:
+            mean_x = (softmax * x).sum(-1, keepdim=True)
+            grad = grad + softmax * (mean_x - x) * grad_entropy.float()[:, None]
+        return (grad / ctx.temperature).to(ctx.dtype), None, None, None
+
+
+class _MegatronStyle(torch.autograd.Function):
+    """megatron-core's cross-entropy math on one device, no group: the target's logit picked with
+    x[arange, t], its gradient written with an index_put."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        row_max = logits.max(dim=-1, keepdim=True).values
+        x = logits - row_max
+        rows = torch.arange(x.shape[0], device=x.device)
+        picked = x[rows, target]
+        exp = x.exp()
+        sum_exp = exp.sum(dim=-1)
+        ctx.save_for_backward(exp / sum_exp[:, None], target)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, target = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, target] -= 1.0
+        return grad * grad_loss[:, None], None
+
+
+class _OneHotStyle(torch.autograd.Function):
+    """Log-probs with a backward through F.one_hot."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        logp = logits.log_softmax(-1)
+        ctx.save_for_backward(logp, target)
+        return logp.gather(-1, target[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, target = ctx.saved_tensors
+        return (F.one_hot(target, logp.shape[-1]).to(logp.dtype) - logp.exp()) * grad[:, None], None
+
+
+# ---- twins: a backward that is not the gradient ---------------------------------------------------
+class _Twin(torch.autograd.Function):
+    """The log-prob and entropy with a backward that differs from their gradient by `flaw`."""
+
+    @staticmethod
+    def forward(ctx, logits, target, scale, flaw: str):
+        x = logits / 2.0
+        logp = x.log_softmax(-1)
+        p = logp.exp()
+        entropy = -(p * logp).sum(-1)
+        ctx.save_for_backward(p, logp, target, x)
+        ctx.flaw = flaw
+        return logp.gather(-1, target[:, None])[:, 0], entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        p, logp, target, x = ctx.saved_tensors
+        flaw = ctx.flaw
+        grad = (F.one_hot(target, p.shape[-1]).to(p.dtype) - p) * grad_logprob[:, None]
+        if flaw == "straight-through":
+            grad = F.one_hot(target, p.shape[-1]).to(p.dtype) * grad_logprob[:, None]
+        entropy = -p * (logp + (-(p * logp).sum(-1, keepdim=True))) * grad_entropy[:, None]
+        if flaw != "entropy gradient dropped":
+            grad = grad + entropy
+        if flaw == "branch on logits":
+            grad = torch.where(x > 3.0, torch.zeros_like(grad), grad)
+        scale_grad = grad_logprob.sum() if flaw == "gradient for another input" else None
+        return grad if flaw == "temperature forgotten" else grad / 2.0, None, scale_grad, None
+
+
+def _compile(fn, *args, inner="aot_eager"):
+    """The compiled value and the record of the graph that ran (Dynamo may trace a frame twice)."""
+    backend = graphpass.Backend(inner=inner)
+    return torch.compile(fn, backend=backend)(*args), backend.records[-1]
+
+
+def _loss(logprob, entropy, weights):
+    return (logprob * weights[0]).sum() + (entropy * weights[1]).sum() if entropy.numel() else (logprob * weights[0]).sum()
+
+
+@pytest.mark.parametrize("case", ["slime", "slime, no entropy", "slime, bf16", "megatron", "one_hot"])
+def test_a_function_whose_backward_is_the_gradient_becomes_one_site(case):
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if "bf16" in case else torch.float64
+    x = (3 * torch.randn(T, V, generator=g, dtype=torch.float64)).to(dtype)
+    target = torch.randint(0, V, (T,), generator=g)
+    target[0], target[1] = 0, V - 1
+    weights = torch.randn(2, T, generator=g, dtype=torch.float64).to(dtype)
+
+    def fn(logits):
+        if case.startswith("slime"):
+            logprob, entropy = _SlimeStyle.apply(logits, target, 0.7, "no entropy" not in case)
+        elif case == "megatron":
+            logprob, entropy = -_MegatronStyle.apply(logits, target), logits.new_zeros((0,))
+        else:
+            logprob, entropy = _OneHotStyle.apply(logits, target), logits.new_zeros((0,))
+        return _loss(logprob, entropy, weights)
+
+    def plain(logits):  # the math the Function computes, in float64
+        logp = (logits / (0.7 if case.startswith("slime") else 1.0)).log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1) if case in ("slime", "slime, bf16") else logits.new_zeros((0,))
+        return _loss(logp.gather(-1, target[:, None])[:, 0], entropy, weights.double())
+
+    exact, eager_x, x = (x.detach().double().requires_grad_(), x.clone().requires_grad_(),
+                         x.clone().requires_grad_())
+    want, eager = plain(exact), fn(eager_x)
+    want.backward()
+    eager.backward()
+    value, record = _compile(fn, x)
+    value.backward()
+    assert [s.replaced_function is not None for s in record.sites] == [True], (record.sites, record.rejected)
+    # As close to the float64 math as eager's Function (slime's upcast rounds float64 to float32).
+    tolerance = {torch.float64: 1e-12, torch.bfloat16: 1e-3}[dtype]
+    assert _err(value, want) <= 2 * _err(eager, want) + tolerance
+    assert _err(x.grad, exact.grad) <= 2 * _err(eager_x.grad, exact.grad) + tolerance
+
+
+def test_the_lm_head_before_a_checked_function_is_fused():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (T,), generator=g)
+    advantages = torch.randn(T, generator=g, dtype=torch.float64)
+
+    def fn(hidden, weight):
+        logprob, entropy = _SlimeStyle.apply(hidden @ weight.T, target, 1.0, True)
+        return -(logprob * advantages).mean() - 0.01 * entropy.mean()
+
+    def plain(hidden, weight):
+        logp = (hidden @ weight.T).log_softmax(-1)
+        return -(logp.gather(-1, target[:, None])[:, 0] * advantages).mean() \
+            + 0.01 * (logp.exp() * logp).sum(-1).mean()
+
+    exact, eager, compiled = ([t.clone().requires_grad_() for t in (hidden, weight)] for _ in range(3))
+    want, got_eager = plain(*exact), fn(*eager)
+    want.backward()
+    got_eager.backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    assert len(record.sites) == 1 and record.sites[0].lm_head, (record.sites, record.rejected)
+    # As close to the float64 math as eager's Function (whose upcast rounds to float32).
+    assert _err(value, want) <= 2 * _err(got_eager, want) + 1e-12
+    for got, ref, exact_t in zip(compiled, eager, exact):
+        assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-12
+
+
+@pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "temperature forgotten", "straight-through",
+                                  "branch on logits", "gradient for another input"])
+def test_a_backward_that_is_not_the_gradient_is_kept_with_its_reason(flaw):
+    g = torch.Generator().manual_seed(2)
+    x = 3 * torch.randn(T, V, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (T,), generator=g)
+    weights = torch.randn(2, T, generator=g, dtype=torch.float64)
+
+    def fn(logits, scale):
+        logprob, entropy = _Twin.apply(logits, target, scale, flaw)
+        return _loss(logprob, entropy, weights) * scale
+
+    eager = [x.clone().requires_grad_(), torch.tensor(1.5, dtype=torch.float64, requires_grad=True)]
+    want = fn(*eager)
+    want.backward()
+    compiled = [t.detach().clone().requires_grad_() for t in eager]
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    # Whatever graphpass decides, the user's gradients are eager's: their backward, as written.
+    assert _err(value, want) <= 1e-12
+    for got, ref in zip(compiled, eager):
+        assert _err(got.grad, ref.grad) <= 1e-12
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    if flaw == "none":
+        assert [s.replaced_function is not None for s in record.sites] == [True] and reasons == [], record
+        return
+    assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
+    expected = {"branch on logits": "compares float values",
+                "gradient for another input": "returns a gradient for its input 3"}.get(
+        flaw, "its backward is not the gradient of its forward's math")
+    assert expected in reasons[0] and "log-prob and entropy" in reasons[0], reasons[0]
+
+
+def test_under_inductor_too():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, V, generator=g)
+    target = torch.randint(0, V, (T,), generator=g)
+
+    def fn(logits):
+        logprob, entropy = _SlimeStyle.apply(logits, target, 0.5, True)
+        return logprob.sum() + 0.1 * entropy.sum()
+
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fn(eager_x).backward()
+    value, record = _compile(fn, compiled_x, inner="inductor")
+    value.backward()
+    assert len(record.sites) == 1 and _err(compiled_x.grad, eager_x.grad) <= 1e-5
