@@ -13,6 +13,7 @@ is with the reason recorded.
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -26,6 +27,7 @@ from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
 aten = torch.ops.aten
+log = logging.getLogger("graphpass")
 
 __all__ = ["replace_hand_written_functions_pass"]
 
@@ -38,7 +40,11 @@ def replace_hand_written_functions_pass(gm: torch.fx.GraphModule, example_inputs
         hop = hop_of(stub)
         if hop.target is not _torch_api.autograd_function_apply():
             continue
-        found = _match(hop, stub)
+        try:
+            found = _match(hop, stub)
+        except Exception as e:  # noqa: BLE001 - a Function this pass cannot read stays as it is
+            log.debug("graphpass: reading the Function at %s failed", source_of(stub), exc_info=True)
+            found = f"graphpass could not read it ({type(e).__name__})"
         if found is None:
             continue
         if isinstance(found, str):
