@@ -22,9 +22,11 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis.backward_check import check_backward, joint_module
 from graphpass.analysis.regions import source_of
-from graphpass.analysis.vocab_parallel import EMPTY, match_single_device
+from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.records import REPLACED_FUNCTION, Rejection
+
+from .replace_vocab_parallel_functions import as_the_output_was
 
 aten = torch.ops.aten
 log = logging.getLogger("graphpass")
@@ -133,19 +135,8 @@ def _replace(graph: torch.fx.Graph, stub, hop, match, logits, target, non_differ
             values["entropy"] = node(aten.neg.default, node(aten.sum.dim_IntList, p_logp, [-1]))
     for user in users:
         index = user.args[1]
-        kind, want = match.outputs[index], user.meta["val"]
         with graph.inserting_before(user):
-            if kind == EMPTY:
-                new = node(aten.empty.memory_format, list(want.shape), dtype=want.dtype, device=want.device)
-            else:
-                new = values[kind.lstrip("-")]
-                if kind.startswith("-"):
-                    new = node(aten.neg.default, new)
-                new = node(aten.reshape.default, new, list(want.shape))
-                if new.meta["val"].dtype != want.dtype:
-                    new = node(aten._to_copy.default, new, dtype=want.dtype)
-                if index in non_differentiable:
-                    new = node(aten.detach.default, new)
+            new = as_the_output_was(node, values, match.outputs[index], user.meta["val"], index in non_differentiable)
         user.replace_all_uses_with(new)
         graph.erase_node(user)
     graph.erase_node(stub)

@@ -56,7 +56,7 @@ from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
 
 aten = torch.ops.aten
 
-__all__ = ["replace_vocab_parallel_functions_pass"]
+__all__ = ["replace_vocab_parallel_functions_pass", "as_the_output_was"]
 
 
 def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inputs, *, config,
@@ -672,6 +672,21 @@ def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatc
     return built
 
 
+def as_the_output_was(node, results: dict, kind: str, want, non_differentiable: bool) -> torch.fx.Node:
+    """One output of a replaced Function, `kind` ("logprob", "-entropy", ..., "empty") made from
+    `results[kind without its sign]` with the shape and dtype of its value `want`, detached where
+    the Function marked it non-differentiable; `node(target, *args, **kwargs)` makes each node."""
+    if kind == EMPTY:
+        return node(aten.empty.memory_format, list(want.shape), dtype=want.dtype, device=want.device)
+    new = results[kind.lstrip("-")]
+    if kind.startswith("-"):
+        new = node(aten.neg.default, new)
+    new = node(aten.reshape.default, new, list(want.shape))
+    if new.meta["val"].dtype != want.dtype:
+        new = node(aten._to_copy.default, new, dtype=want.dtype)
+    return node(aten.detach.default, new) if non_differentiable else new
+
+
 def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced, non_differentiable: set, config,
                      like, sum_grads: bool = False) -> tuple[SiteRecord, torch.fx.Node]:
     """One op call before `like`; each of `replaced` (a node, or (node, index into match.outputs))
@@ -705,19 +720,9 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
             results = _summing_grads(node, results, with_entropy, match.group_name)
     outputs = []
     for user, index in replaced:
-        kind, want = match.outputs[index], user.meta["val"]
         with graph.inserting_before(user):
-            if kind == EMPTY:
-                new = node(aten.empty.memory_format, list(want.shape), dtype=want.dtype, device=want.device)
-            else:
-                new = results[kind.lstrip("-")]
-                if kind.startswith("-"):
-                    new = node(aten.neg.default, new)
-                new = node(aten.reshape.default, new, list(want.shape))
-                if new.meta["val"].dtype != want.dtype:
-                    new = node(aten._to_copy.default, new, dtype=want.dtype)
-                if index in non_differentiable:
-                    new = node(aten.detach.default, new)
+            new = as_the_output_was(node, results, match.outputs[index], user.meta["val"],
+                                    index in non_differentiable)
         new.meta.update({k: v for k, v in user.meta.items() if k != "val"})
         user.replace_all_uses_with(new)
         graph.erase_node(user)

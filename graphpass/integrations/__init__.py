@@ -37,6 +37,23 @@ def register_now(name: str, register_for) -> bool:
     return register_for(module)
 
 
+def substitute_apply(function, stand_in, registered: list, module, what: str) -> bool:
+    """Have Dynamo trace `stand_in` for `function.apply` (an autograd.Function of `module`), once:
+    `registered` (the integration's list) then holds `module`. False, logged, where another
+    dispatch rule for the Function exists (`what` names it in the warning)."""
+    if registered:
+        return True
+    from graphpass import _torch_api
+
+    try:
+        _torch_api.substitute_in_graph_apply(function, stand_in)
+    except ValueError as error:  # another dispatch rule for the same Function
+        log.warning("graphpass: %s stays unfused: %s", what, error)
+        return False
+    registered.append(module)
+    return True
+
+
 def _when_imported(name: str, register) -> None:
     """`register(module)` now if module `name` is imported, else right after its first import;
     nothing when its top-level package is not installed."""

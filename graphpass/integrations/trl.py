@@ -25,14 +25,10 @@ valid ids (its fused forward clamps the ignored label -100 to 0 and masks those 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from graphpass import _torch_api
-from graphpass.integrations import register_now
-
-log = logging.getLogger("graphpass")
+from graphpass.integrations import register_now, substitute_apply
 
 #: The module whose Function the stand-in replaces in traced code.
 MODULE = "trl.kernels.chunked_logprob"
@@ -95,12 +91,5 @@ def register() -> bool:
 
 def register_for(chunked_logprob) -> bool:
     """`register()` given TRL's imported `kernels.chunked_logprob` module."""
-    if _registered:
-        return True
-    try:
-        _torch_api.substitute_in_graph_apply(chunked_logprob.ChunkedLogProbFunction, _chunked_logprob)
-    except ValueError as error:  # another dispatch rule for the same Function
-        log.warning("graphpass: TRL's ChunkedLogProbFunction stays unfused: %s", error)
-        return False
-    _registered.append(chunked_logprob)
-    return True
+    return substitute_apply(chunked_logprob.ChunkedLogProbFunction, _chunked_logprob, _registered,
+                            chunked_logprob, "TRL's ChunkedLogProbFunction")

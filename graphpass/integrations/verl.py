@@ -21,14 +21,10 @@ and stays as it is.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from graphpass import _torch_api
-from graphpass.integrations import register_now
-
-log = logging.getLogger("graphpass")
+from graphpass.integrations import register_now, substitute_apply
 
 #: The module whose Function the stand-in replaces in traced code.
 MODULE = "verl.utils.experimental.torch_functional"
@@ -58,12 +54,5 @@ def register() -> bool:
 
 def register_for(torch_functional) -> bool:
     """`register()` given verl's imported `utils.experimental.torch_functional` module."""
-    if _registered:
-        return True
-    try:
-        _torch_api.substitute_in_graph_apply(torch_functional.FusedLinearForPPOFunction, _fused_linear_for_ppo)
-    except ValueError as error:  # another dispatch rule for the same Function
-        log.warning("graphpass: verl's FusedLinearForPPOFunction stays unfused: %s", error)
-        return False
-    _registered.append(torch_functional)
-    return True
+    return substitute_apply(torch_functional.FusedLinearForPPOFunction, _fused_linear_for_ppo, _registered,
+                            torch_functional, "verl's FusedLinearForPPOFunction")
