@@ -86,21 +86,25 @@ def inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs):
     return gm.forward
 
 
-def compile_kernel(fn, inner: str, wide_width: int | None = None):
+def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None):
     """Compile a per-chunk kernel, dynamic in the row count only (dim 0 of every tensor argument
     of rank 2), so a short last chunk reuses it while the vocabulary stays static for codegen.
 
     With `wide_width` (V) and inductor, the kernel is compiled now, on zeros shaped as its
     placeholders' example values with 2 rows, and `run.temporary_bytes` is what its generated
-    code allocates per element of `[rows, V]` (`_wide_buffer_bytes`); else None."""
+    code allocates per element of `[rows, V]` (`_wide_buffer_bytes`); else None.
+
+    Where the compiler fails on it, `fallback()` (a callable with `fn`'s arguments) runs instead,
+    else `fn` itself, uncompiled."""
     if inner == "eager":
         return fn
     # The kernel runs inside an op that CUDA graphs do not capture (`devices.NOT_CUDAGRAPH_CAPTURABLE`):
     # a global `triton.cudagraphs=True` must not make each chunk's call a graph of its own.
     options = {"triton.cudagraphs": False} if inner == "inductor" else None
-    compiled = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True, options=options)
+    kernel = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True, options=options)
 
     def run(*args):
+        nonlocal kernel
         # Kernels run below autograd, as a custom op's body does. Detached arguments and a fixed
         # dispatch state keep what Dynamo guards on (requires_grad, dispatch keys) the same on
         # every call; the op's first call sees different ones, and would cost a recompile.
@@ -109,7 +113,24 @@ def compile_kernel(fn, inner: str, wide_width: int | None = None):
             if isinstance(a, torch.Tensor) and a.ndim == 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            return compiled(*args)
+            if kernel is fn:
+                return fn(*args)
+            try:
+                return kernel(*args)
+            except _compiler_errors() as e:
+                # Raised before the kernel ran (nothing written yet), and often in backward, where
+                # no graph can fall back: the fallback, or the same ATen graph op by op, runs
+                # instead, exact (inductor's CPU outer-loop fusion fails on some in-place row
+                # kernels, pytorch/pytorch#196570).
+                kernel = fn
+                if fallback is not None:
+                    log.info("graphpass: %s could not compile a per-chunk kernel (%s); its fallback runs instead",
+                             inner, _compiler_message(e))
+                    kernel = fallback()
+                else:
+                    log.warning("graphpass: %s could not compile a per-chunk kernel, which runs uncompiled "
+                                "(slower, same values): %s", inner, _compiler_message(e))
+            return kernel(*args)
 
     run.temporary_bytes = None
     sample = _sample_arguments(fn) if inner == "inductor" and wide_width is not None else None
@@ -127,6 +148,19 @@ def compile_kernel(fn, inner: str, wide_width: int | None = None):
             codes = []
         run.temporary_bytes = _wide_buffer_bytes(codes, wide_width) if codes else None
     return run
+
+
+def _compiler_errors() -> tuple[type, ...]:
+    """What `torch.compile` raises when its backend fails to compile a graph."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return (BackendCompilerFailed,)  # inductor's InductorError too
+
+
+def _compiler_message(error: BaseException) -> str:
+    """The compiler's own error, in one line."""
+    inner = getattr(error, "inner_exception", None) or error.__cause__ or error
+    return f"{type(inner).__name__}: {inner}".splitlines()[0]
 
 
 def _sample_arguments(fn) -> list | None:

@@ -9,6 +9,8 @@ run under inductor in fp32. Must-not-match cases stay as written, with the reaso
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -347,20 +349,53 @@ def test_a_teachers_hidden_states_keep_their_gradient_from_elsewhere():
     assert [(s.lm_head, s.frozen_lm_heads) for s in record.sites] == [(True, 1)], record.rejected
 
 
-def test_bf16_both_heads_as_close_to_float64_as_eager():
+@pytest.mark.parametrize("loss", [forward_kl, jsd], ids=lambda f: f.__name__)
+def test_bf16_both_heads_as_close_to_float64_as_eager(loss, caplog):
     """bf16, gradients in forward: the weight's gradient over vocabulary tiles after row blocks
-    (the two passes of `ops.lm_head`), the teacher's tile logits recomputed in the second."""
+    (the two passes of `ops.lm_head`), the teacher's tile logits recomputed in the second. The
+    log-softmax's backward sums the teacher's terms along each row: the first pass writes those
+    sums, which the tiles read, so no fp32 accumulator of the weight's gradient exists."""
     tensors = _both_head_inputs(torch.bfloat16, rows=64, vocab=256, hidden_size=32)
-    fn = _both_heads(forward_kl)
+    fn = _both_heads(loss)
     exact = [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
     fn(*exact).backward()
     backend = graphpass.Backend(inner="eager", strict=True)
     errors = {}
-    for name, f in (("graphpass", torch.compile(fn, backend=backend)), ("eager", fn)):
-        mine = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-        f(*mine).backward()
-        errors[name] = max(float((m.grad.double() - r.grad).abs().max() / r.grad.abs().max())
-                           for m, r in zip(mine[:2], exact[:2]))
+    with caplog.at_level("INFO", logger="graphpass"):
+        for name, f in (("graphpass", torch.compile(fn, backend=backend)), ("eager", fn)):
+            mine = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+            f(*mine).backward()
+            errors[name] = max(float((m.grad.double() - r.grad).abs().max() / r.grad.abs().max())
+                               for m, r in zip(mine[:2], exact[:2]))
     assert errors["graphpass"] <= 2 * errors["eager"], errors
     sites = [s for r in backend.records for s in r.sites]
     assert [(s.lm_head, s.frozen_lm_heads, s.gradients_in_forward) for s in sites] == [(True, 1, True)]
+    assert not [r for r in caplog.records if "accumulates over row blocks" in r.getMessage()]
+
+
+def test_per_token_jsd_returned_from_inductor_matches_eager():
+    """The loss outside the compiled function (`jsd_per_token = compiled(...)`, then weighted):
+    the backward recomputes, and its kernel both sums along the row and overwrites the row's
+    logits, which inductor's CPU code generator cannot compile as one (pytorch/pytorch#196570):
+    it runs as two kernels, the sums first; the gradients as eager's."""
+    def per_token(hidden, weight, teacher_hidden, teacher_weight):
+        with torch.no_grad():
+            t = F.linear(teacher_hidden, teacher_weight)
+        s = F.linear(hidden, weight)
+        sl, tl = F.log_softmax(s, -1), F.log_softmax(t, -1)
+        mix = torch.logsumexp(torch.stack([sl + math.log(0.5), tl + math.log(0.5)]), dim=0)
+        return 0.5 * (tl.exp() * (tl - mix)).sum(-1) + 0.5 * (sl.exp() * (sl - mix)).sum(-1)
+
+    tensors = _both_head_inputs(torch.float32, rows=32, vocab=128, hidden_size=16)[:4]
+    weights = torch.rand(32, generator=torch.Generator().manual_seed(2))
+    backend = graphpass.Backend(strict=True)
+    results = []
+    for f in (torch.compile(per_token, backend=backend), per_token):
+        mine = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        value = f(*mine)
+        (value * weights).sum().backward()
+        results.append([value, mine[0].grad, mine[1].grad])
+    for mine, theirs in zip(*results):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    sites = [s for r in backend.records for s in r.sites]
+    assert [(s.lm_head, s.frozen_lm_heads, s.gradients_in_forward) for s in sites] == [(True, 1, False)]

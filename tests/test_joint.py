@@ -171,3 +171,67 @@ def test_kernels_are_generic_in_the_row_count():
         outs, saved, _ = _run_split(split, [x, index], [torch.ones(rows, 1)], (0,), (0,))
         assert outs[0].shape == (rows, 1) and all(s.shape == (rows, 1) for s in saved)
         torch.testing.assert_close(outs[0], LogprobEntropy()(x, index)[0])
+
+
+class ForwardKL(torch.nn.Module):
+    """KL(teacher || student) per row: the log-softmax's backward sums the teacher's probabilities
+    along each row, a reduction no forward statistic gives."""
+
+    def forward(self, student, teacher):
+        sl = torch.log_softmax(student, -1)
+        tl = torch.log_softmax(teacher, -1).detach()
+        return ((tl.exp() * (tl - sl)).sum(-1, keepdim=True),)
+
+
+def test_a_backward_in_two_kernels_carries_its_row_sums():
+    """`backward_in_two`: the row reductions first (`carried`), then the rest, which reads them and
+    reduces nothing along the row: the same gradient as the one kernel and as autograd; the
+    column-tile kernel reads the same carried values."""
+    student, teacher = torch.randn(7, V), torch.randn(7, V)
+    split = _split(ForwardKL(), [student, teacher])
+    split = JointSplit(split.program, split.args, [0], [0], device=student.device)
+    (carried,) = split.carried((0,), (0,))
+    assert carried.tail == (1,)
+    saved = split.forward(student, teacher)[1:]
+    grad_out = torch.randn(7, 1)
+    one = torch.empty_like(student)
+    split.backward((0,), (0,))(student, teacher, *saved, grad_out, one)
+    reductions, rest = split.backward_in_two((0,), (0,))
+    assert aten.sum.dim_IntList not in _targets(rest)
+    sums = reductions(student, teacher, *saved, grad_out, torch.empty_like(student))
+    two = torch.empty_like(student)
+    rest(student, teacher, *saved, grad_out, *sums, two)
+    _, vjp = torch.func.vjp(lambda s: ForwardKL()(s, teacher)[0], student)
+    torch.testing.assert_close(one, vjp(grad_out)[0])
+    torch.testing.assert_close(two, one)
+    tile = split.column_tile((0,), (0,))
+    columns = slice(20, 35)
+    out = torch.empty(7, 15)
+    tile(student[:, columns], teacher[:, columns], *saved, grad_out, *sums, out, torch.tensor(20))
+    torch.testing.assert_close(out, one[:, columns])
+
+
+def test_a_kernel_the_compiler_fails_on_runs_its_fallback_or_uncompiled(caplog):
+    """A per-chunk kernel the inner compiler cannot compile (inductor's pytorch/pytorch#196570
+    on some in-place row kernels) must still run, often in a backward that cannot fall back:
+    its fallback where one is given, else its own graph, op by op; either way the same values."""
+    from graphpass import _torch_api
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("this compiler compiles nothing")
+
+    graph = torch.fx.symbolic_trace(lambda x: (torch.softmax(x, -1) * 2,))
+    x = torch.randn(4, V)
+    expected = graph(x)[0]
+    with caplog.at_level("INFO", logger="graphpass"):
+        uncompiled = _torch_api.compile_kernel(graph, failing)
+        torch.testing.assert_close(uncompiled(x)[0], expected)
+        torch.testing.assert_close(uncompiled(x)[0], expected)  # no second attempt
+        calls = []
+        with_fallback = _torch_api.compile_kernel(graph, failing, fallback=lambda: calls.append(1) or graph)
+        torch.testing.assert_close(with_fallback(x)[0], expected)
+        torch.testing.assert_close(with_fallback(x)[0], expected)
+    assert calls == [1]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("runs uncompiled" in m and "compiles nothing" in m for m in messages) == 1, messages
+    assert sum("its fallback runs instead" in m for m in messages) == 1, messages

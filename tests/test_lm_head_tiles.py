@@ -331,9 +331,26 @@ def test_rows_where_tiles_do_not_pay_or_apply():
 
 @pytest.mark.parametrize("in_forward", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fn", [categorical, cross_entropy], ids=["categorical", "cross_entropy"])
-def test_a_backward_that_reads_along_the_vocabulary_keeps_row_blocks(fn, dtype, in_forward):
-    (program,) = _programs(_check(fn, _batch(dtype), gradients_in_forward=in_forward))
+def test_a_backward_that_sums_along_the_vocabulary_carries_its_sums(dtype, in_forward):
+    """`Categorical.entropy`'s backward sums a clamped product along each row, which no forward
+    statistic gives: bf16 in forward, the first pass writes those sums and the tiles read them;
+    recomputed, nothing wrote them, so row blocks, the reason saying so."""
+    (program,) = _programs(_check(categorical, _batch(dtype), gradients_in_forward=in_forward))
+    active = program.total_positions if in_forward else (0, 1)
+    assert program.split.carried(active, (program.head.position,)), "no sum carried"
+    if in_forward:
+        assert _schedule(program) == _expected(dtype, in_forward), program.tile_reasons
+    else:
+        needs_grad = [False] * (len(program.inputs) + 1)
+        needs_grad[program.head.position] = needs_grad[program.head.weight] = True
+        assert _schedule(program) == "rows"
+        assert "sums along the vocabulary" in program._tiles_reason(T, V, active, needs_grad)
+
+
+@pytest.mark.parametrize("in_forward", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_backward_that_reads_along_the_vocabulary_keeps_row_blocks(dtype, in_forward):
+    (program,) = _programs(_check(cross_entropy, _batch(dtype), gradients_in_forward=in_forward))
     assert _schedule(program) == "rows" and not program._saving_wanted
     if dtype == torch.bfloat16 or not in_forward:  # fp32 in forward: one pass, no tiles tried
         (why,) = program.tile_reasons.values()

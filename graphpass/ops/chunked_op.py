@@ -264,14 +264,27 @@ class RegionProgram:
             self._forward_kernel = self._compile(self.split.forward)
         return self._forward_kernel
 
-    def _compile(self, graph_module, measure: bool = True):
+    def _compile(self, graph_module, measure: bool = True, fallback=None):
         """The inner compiler's kernel; with `measure`, compiled at once to learn its temporaries
-        (`kernel_temporary_bytes`): a kernel over vocabulary tiles is not (its width is the tile's)."""
+        (`kernel_temporary_bytes`): a kernel over vocabulary tiles is not (its width is the tile's).
+        Where the compiler fails, `fallback()` gives the kernel instead (else the graph runs uncompiled)."""
         # Regenerate the module's code now, at run time: code generated while Dynamo was
         # compiling the user's graph is on Dynamo's skip list and would not compile.
         graph_module.recompile()
         width = next((spec.width for spec in self.inputs if spec.role == WIDE), None) if measure else None
-        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width)
+        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback)
+
+    def _backward_in_two(self, active, wanted):
+        """The backward kernel as two compiled kernels (`JointSplit.backward_in_two`), one callable
+        with its arguments: the row reductions first, then the rest, which reads them."""
+        reductions, rest = (self._compile(g, measure=False) for g in self.split.backward_in_two(active, wanted))
+        n_out_slices = sum(1 for i in wanted if self.split.args[i].per_row)
+
+        def backward(*args):
+            inputs = args[:len(args) - n_out_slices]
+            return rest(*inputs, *reductions(*args), *args[len(inputs):])
+
+        return backward
 
     # ---- forward and backward in one pass ------------------------------------------------
     def forward_with_gradients(self, tensors, out_sizes, needs_grad, seeds):
@@ -411,7 +424,8 @@ class RegionProgram:
         key = (kind, active, wanted)
         if key not in self._gradient_kernels:
             graph = self._traced.pop(key, None) or getattr(self.split, kind)(active, wanted)
-            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile")
+            fallback = (lambda: self._backward_in_two(active, wanted)) if kind == "backward" else None
+            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile", fallback=fallback)
         return self._gradient_kernels[key]
 
     def prepare_gradients_in_forward(self, needs_grad) -> None:

@@ -59,8 +59,10 @@ class JointSplit:
               out slice of each wanted per-row input...) -> (grad of each wanted fixed-shape input...)
               writing each per-row input's gradient into its out slice.
     fused(active, wanted): both at once, without the saved values in between.
-    fused_saving(active, wanted): fused, also writing the row values a backward reads (see there).
-    column_tile(active, wanted): backward on a column tile of the wide inputs (`on_column_tile`).
+    fused_saving(active, wanted, tile_wanted): fused, also writing the row values a column-tile
+              backward reads (see there).
+    column_tile(active, wanted): backward on a column tile of the wide inputs (`on_column_tile`),
+              reading the backward's own row values too (`carried`).
 
     An argument in `overwritten` is a temporary its gradient may replace: the gradient graphs read
     it from its out slice, which they overwrite with its gradient, and take no argument for it
@@ -77,6 +79,10 @@ class JointSplit:
         self.n_outputs = len(program.graph.output_node().args[0])
         self.overwritten: tuple[int, ...] = ()
         self._ids = _StructuralIds()
+        # (active, wanted) -> the structural ids of the backward's row values a column tile reads
+        # (`carried`), in the order of its arguments.
+        self._carried_ids: dict[tuple, list[int]] = {}
+        self._carried_specs: dict[tuple, list[SavedSpec]] = {}
         self._split_forward(self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs)))
 
     # ---- tracing -------------------------------------------------------------------------
@@ -173,6 +179,15 @@ class JointSplit:
         """The backward graph for these active outputs and wanted inputs (see the class doc)."""
         return self._gradient_graph(active, wanted, with_forward=False)
 
+    def backward_in_two(self, active: tuple[int, ...], wanted: tuple[int, ...]):
+        """`backward` as two graphs, for an inner compiler that cannot compile it as one (inductor's
+        CPU outer-loop fusion of a row sum with the write over the row it read,
+        pytorch/pytorch#196570): `reductions`, with `backward`'s arguments, returns its row
+        reductions over the vocabulary (`carried`); `rest` takes them after the active outputs'
+        gradients and does the rest, with no reduction along the row."""
+        reductions = self._gradient_graph(active, wanted, with_forward=False, carry=True, reductions_only=True)
+        return reductions, self._gradient_graph(active, wanted, with_forward=False, carry=True)
+
     def fused(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
         """Forward and backward as one graph, for a gradient known in forward:
         (args..., grad of each active output..., out slice of each wanted per-row input...)
@@ -180,24 +195,37 @@ class JointSplit:
         once for both, where the split kernels read it twice."""
         return self._gradient_graph(active, wanted, with_forward=True)
 
-    def fused_saving(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
-        """`fused`, also writing what `backward(active, ...)` reads besides the arguments: each saved
-        row statistic and each active output's gradient, into out slices after the arguments:
-        (args..., out slice of each saved value..., of each active output's gradient...,
-        grad of each active output..., out slice of each wanted per-row input...) -> as `fused`.
-        So a second pass can compute more gradients from a column tile (`column_tile`) without the
-        forward's reductions. Raises RuntimeError if the fused trace does not compute every saved
-        value (its row sums factored differently)."""
-        return self._gradient_graph(active, wanted, with_forward=True, saving=True)
+    def fused_saving(self, active: tuple[int, ...], wanted: tuple[int, ...],
+                     tile_wanted: tuple[int, ...]) -> torch.fx.GraphModule:
+        """`fused`, also writing what `column_tile(active, tile_wanted)` reads besides the arguments:
+        each saved row statistic, each active output's gradient and each carried row value
+        (`carried`), into out slices after the arguments: (args..., out slice of each saved
+        value..., of each active output's gradient..., of each carried value..., grad of each
+        active output..., out slice of each wanted per-row input...) -> as `fused`. So a second
+        pass can compute more gradients from a column tile without any reduction over the
+        vocabulary. Raises RuntimeError if the fused trace does not compute every value the tile
+        reads (its row sums factored differently)."""
+        carried = self._carried_ids[(active, tile_wanted)]  # after `column_tile`
+        return self._gradient_graph(active, wanted, with_forward=True, saving=carried)
+
+    def carried(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> list[SavedSpec]:
+        """The row values `column_tile(active, wanted)` reads after the active outputs' gradients:
+        the backward's own reductions over the vocabulary (a log-softmax's backward sums its
+        incoming gradient along the row: a KL's `sum(p_teacher)` times each row's seed), which a
+        tile cannot compute and a pass over whole rows before it (`fused_saving`) writes."""
+        if (active, wanted) not in self._carried_specs:
+            self.column_tile(active, wanted)
+        return self._carried_specs[(active, wanted)]
 
     def column_tile(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
-        """`backward(active, wanted)` on a column tile of the wide inputs (see `on_column_tile`);
-        NotTileable if it reduces or moves values along the vocabulary."""
+        """`backward(active, wanted)` on a column tile of the wide inputs (see `on_column_tile`),
+        its reductions over the vocabulary read as arguments after the active outputs' gradients
+        (`carried`); NotTileable if anything else reduces or moves values along the vocabulary."""
         widths = {spec.shape[-1] for spec in self.args if spec.wide}
         if len(widths) != 1:
             raise NotTileable(f"its wide inputs differ in width ({sorted(widths)})")
         vocab = widths.pop()
-        tiled = on_column_tile(self.backward(active, wanted), vocab)
+        tiled = on_column_tile(self._gradient_graph(active, wanted, with_forward=False, carry=True), vocab)
         self._check_on_a_tile(tiled, vocab)
         return tiled
 
@@ -221,38 +249,60 @@ class JointSplit:
                 raise NotTileable(f"it does not run on a tile: {type(e).__name__}: {e}") from None
         _torch_api.check_no_guards_on(fake_mode, rows)
 
-    def _gradient_graph(self, active, wanted, with_forward: bool, saving: bool = False) -> torch.fx.GraphModule:
+    def _gradient_graph(self, active, wanted, with_forward: bool, saving: list[int] | None = None,
+                        carry: bool = False, reductions_only: bool = False) -> torch.fx.GraphModule:
+        """The graphs of `backward`, `fused`, `fused_saving` (`saving`: the carried values' ids to
+        write too) and, with `carry`, the backward that reads its own row reductions (`carried`),
+        or with `reductions_only` too, the backward's graph that computes them and writes nothing."""
         joint = self._trace(active, wanted)
         graph = torch.fx.Graph()
         primals, cotangents = self._placeholders(joint)
         in_place = [i for i in wanted if self.args[i].per_row]
         overwritten = [i for i in self.overwritten if i in in_place]
         env = {n: _placeholder(graph, f"arg{i}", n) for i, n in enumerate(primals) if i not in overwritten}
-        if saving:
+        backward_nodes = {*cotangents} | transitive_users(cotangents)
+        ids = self._ids.of_graph(joint.graph)
+        if saving is not None:
             saved_slots = [_placeholder(graph, f"saved_out{i}", n) for i, n in enumerate(self._saved_examples)]
             grad_slots = [_placeholder(graph, f"grad_out_copy{j}", n) for j, n in zip(active, cotangents)]
-        if saving or not with_forward:
-            ids = self._ids.of_graph(joint.graph)
+            by_id = {ids[n]: n for n in joint.graph.nodes if n in backward_nodes and n.op == "call_function"}
+            missing = [k for k in saving if k not in by_id]
+            if missing:
+                raise RuntimeError("graphpass: the fused trace does not compute the backward's row sums")
+            carried_from = [by_id[k] for k in saving]
+            carried_slots = [_placeholder(graph, f"carried_out{k}", n) for k, n in enumerate(carried_from)]
         if not with_forward:
             saved = [_placeholder(graph, f"saved{i}", n) for i, n in enumerate(self._saved_examples)]
         env.update({n: _placeholder(graph, f"grad_out{j}", n) for j, n in zip(active, cotangents)})
+        if carry:
+            # Those the peephole rewrites leave (a one-hot gradient's row sum is its one value).
+            kept = {n.name for n in self.backward(active, wanted).graph.nodes}
+            carried = [n for n in self._row_reductions(joint, backward_nodes) if n.name in kept]
+            if not reductions_only:
+                env.update({n: _placeholder(graph, f"carried{k}", n) for k, n in enumerate(carried)})
+            self._carried_ids[(active, wanted)] = [ids[n] for n in carried]
+            self._carried_specs[(active, wanted)] = [
+                SavedSpec(tuple(n.meta["val"].shape[1:]), n.meta["val"].dtype) for n in carried]
         out_slices = {i: _placeholder(graph, f"grad_in{i}", primals[i]) for i in in_place}
         env.update({primals[i]: out_slices[i] for i in overwritten})
-        backward_nodes = {*cotangents} | transitive_users(cotangents)
         for node in joint.graph.nodes:
-            if node.op != "call_function":
+            if node.op != "call_function" or node in env:
                 continue
             position = None if with_forward else self._saved_ids.get(ids[node])
             if position is not None and node not in backward_nodes:
                 env[node] = saved[position]  # the forward's value: skip recomputing it
             else:
                 env[node] = graph.node_copy(node, lambda a: env[a])
+        if reductions_only:
+            graph.output(tuple(env[n] for n in carried))
+            graph.eliminate_dead_code()
+            return torch.fx.GraphModule(torch.nn.Module(), graph)
         results = _output_nodes(joint)
         grads = dict(zip(wanted, results[self.n_outputs:]))
         for i in in_place:
             if i not in overwritten:
                 graph.call_function(aten.copy_.default, (out_slices[i], env[grads[i]]))
-        if saving:
+        if saving is not None:
             computed = {}
             for node in joint.graph.nodes:
                 position = self._saved_ids.get(ids[node]) if node.op == "call_function" else None
@@ -265,6 +315,8 @@ class JointSplit:
                 graph.call_function(aten.copy_.default, (slot, env[computed[k]]))
             for slot, cotangent in zip(grad_slots, cotangents):
                 graph.call_function(aten.copy_.default, (slot, env[cotangent]))
+            for slot, node in zip(carried_slots, carried_from):
+                graph.call_function(aten.copy_.default, (slot, env[node]))
         outputs = [env[n] for n in results[:self.n_outputs]] if with_forward else []
         outputs = _copies_of_views(graph, outputs + [env[grads[i]] for i in wanted if i not in out_slices],
                                    [out_slices[i] for i in overwritten])
@@ -275,6 +327,19 @@ class JointSplit:
         graph.eliminate_dead_code()
         peephole.optimize(graph)
         return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    def _row_reductions(self, joint, backward_nodes) -> list:
+        """The backward's narrow per-row values read directly from a `[rows, V]` value (its sums,
+        maxima or gathers along the vocabulary), in graph order."""
+        vocab = min(spec.shape[-1] for spec in self.args if spec.wide)
+
+        def spans_vocabulary(node):
+            val = node.meta.get("val")
+            return isinstance(val, torch.Tensor) and val.ndim == 2 and val.shape[-1] == vocab
+
+        return [n for n in joint.graph.nodes
+                if n in backward_nodes and n.op == "call_function" and _is_narrow(n, vocab)
+                and any(spans_vocabulary(a) for a in n.all_input_nodes)]
 
 
 def _copies_of_views(graph, values, bases) -> list:
@@ -294,7 +359,8 @@ class NotTileable(Exception):
 
 # Ops that give each column of their output from the same column of their inputs (with
 # broadcasting over rows), besides the pointwise-tagged ones.
-_COLUMN_WISE = frozenset({aten.where.ScalarOther, aten.where.Scalar, aten.masked_fill.Tensor})
+_COLUMN_WISE = frozenset({aten.where.ScalarOther, aten.where.Scalar, aten.masked_fill.Tensor, aten.detach.default,
+                          aten.alias.default})
 # Ops whose shape argument may name the vocabulary: retargeted to the tile's width.
 _SHAPED = frozenset({aten.expand.default, aten.full.default})
 
@@ -306,12 +372,13 @@ def on_column_tile(graph_module: torch.fx.GraphModule, vocab: int) -> torch.fx.G
 
     Sound only when every value indexed by column is computed column by column, so this checks it
     on every node, with no exception: from a column-indexed value, only pointwise ops, `where`,
-    casts (`_to_copy`) and the copy into an out slice; `arange(vocab)` (the gather's backward,
+    `detach`, casts (`_to_copy`) and the copy into an out slice; `arange(vocab)` (the gather's backward,
     `peephole`) becomes `arange(width) + column_offset`; `expand` and `full` to `[*, vocab]` take
     the width. Anything else that reads a column (a reduction, a gather, a view) or names the
     vocabulary in a shape raises NotTileable, as does a graph that returns a value (a gradient
-    summed over rows). The row values the graph reads (its saved statistics) make every reduction
-    over the vocabulary unnecessary; one that remains is refused here, never computed per tile.
+    summed over rows). The row values the graph reads (its saved statistics and the sums it
+    carries, `JointSplit.carried`) make every reduction over the vocabulary unnecessary; one that
+    remains is refused here, never computed per tile.
     """
     if vocab < 2:
         raise NotTileable("a vocabulary of one column")

@@ -15,9 +15,12 @@ wide value is and where its gradient goes, and adds one schedule of its own, ove
   accumulator is the gradient itself);
 - vocabulary tiles (`_tile_pass`): the weight's gradient needs no accumulator when the tiles are
   outermost. Each row's statistics being known (saved by the forward), a column-tile kernel
-  (`JointSplit.column_tile`, refused for a program that reduces along the vocabulary in backward)
-  gives a tile's `dlogits` for all rows, so `dW[tile] = dlogits.T @ hidden` is complete in one
-  GEMM and written once in the weight's dtype; `dhidden` then accumulates over tiles, `[rows, H]`.
+  (`JointSplit.column_tile`) gives a tile's `dlogits` for all rows, so `dW[tile] = dlogits.T @
+  hidden` is complete in one GEMM and written once in the weight's dtype; `dhidden` then
+  accumulates over tiles, `[rows, H]`. Sums the backward itself takes along the vocabulary (a
+  distillation KL's log-softmax backward sums the teacher's probabilities) are read by the tile
+  kernel too (`JointSplit.carried`): only a pass over whole rows before it can write them, so the
+  backward alone takes row blocks for such a program, the two passes below tiles.
 
 Which gradient accumulates is chosen by shapes: the backward (a loss outside the op) takes tiles
 when the weight needs a gradient, no other input does and rows <= V (the hidden states'
@@ -25,8 +28,8 @@ accumulator is the smaller); else row blocks. Where the loss is one sum of per-t
 op computes the gradients in its forward (`RegionProgram.forward_with_gradients`): one pass over
 row blocks, three GEMMs. For a weight narrower than fp32 its fp32 accumulator would be twice its
 gradient, so that forward makes two passes instead (no accumulator): row blocks for `dhidden`
-(complete per block) whose fused kernel also writes each row's statistics
-(`JointSplit.fused_saving`), then vocabulary tiles for `dW` (complete per tile). The first pass
+(complete per block) whose fused kernel also writes each row's statistics and the backward's
+own row sums (`JointSplit.fused_saving`), then vocabulary tiles for `dW` (complete per tile). The first pass
 keeps the last entries' dlogits in the weight gradient's buffer, which exists but is not written
 until the second (`LinearHeadProgram.kept_columns`), so the second multiplies those at once and
 recomputes only the others' logits: 4 - kept/V GEMMs (3.56 at T=2048, H=1024, V=32768: 44 % kept;
@@ -171,7 +174,9 @@ class LinearHeadProgram(RegionProgram):
         if self._saving_wanted:  # row blocks, then tiles; the row values in between
             width = self.tile_columns(rows, vocab, grad_itemsize, upcast=False)
             tile = int(rows * width * self._bytes_per_element(grad_itemsize, True, False))
-            return max(blocks, tile) + rows * 4 * (len(self.split.saved) + sum(o.width for o in self.outputs))
+            carried = self.split.carried(self.total_positions, (self.head.position,))
+            return max(blocks, tile) + rows * 4 * (len(self.split.saved) + len(carried)
+                                                   + sum(o.width for o in self.outputs))
         narrow = grad_itemsize < 4
         active = tuple(j for j, spec in enumerate(self.outputs) if spec.keeps_grad)
         if self._fused or not active or self._tiles_reason(rows, vocab, active) is not None:
@@ -240,7 +245,7 @@ class LinearHeadProgram(RegionProgram):
             why = self._tile_kernel(self.total_positions)
             if why is None:
                 try:
-                    self._traced[key] = self.split.fused_saving(*key[1:])
+                    self._traced[key] = self.split.fused_saving(*key[1:], (head.position,))
                     self._saving_wanted.add(wanted)
                 except RuntimeError as e:
                     self.tile_reasons[self.total_positions] = why = str(e)
@@ -270,7 +275,10 @@ class LinearHeadProgram(RegionProgram):
             return "another input of the region needs a gradient; the column-tile kernel gives the logits' only"
         if rows > vocab:
             return "more rows than vocabulary entries: the weight's accumulator is the smaller"
-        return self._tile_kernel(active)
+        why = self._tile_kernel(active)
+        if why is None and self.split.carried(active, (head.position,)):
+            return "its backward sums along the vocabulary, which a tile reads from a pass over row blocks"
+        return why
 
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """The base's row blocks, or vocabulary tiles where `_tiles_reason` allows: `dW` complete
@@ -431,6 +439,8 @@ class _HeadGradients:
                                for spec in program.split.saved]
             self.row_values += [torch.empty(rows, program.outputs[j].width, dtype=program.outputs[j].dtype,
                                             device=device) for j in program.total_positions]
+            self.row_values += [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device)
+                                for spec in program.split.carried(program.total_positions, (head.position,))]
         self.weight_by_tiles = saving and needs_grad[head.weight]
         # With kept columns (`LinearHeadProgram.kept_columns`) the weight's gradient exists from
         # the start: its front holds the kept dlogits.
