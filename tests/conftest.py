@@ -37,3 +37,24 @@ def _reset_dynamo():
     torch.compiler.reset()
     yield
     torch.compiler.reset()
+
+
+@pytest.fixture
+def graphpass_log():
+    """The messages graphpass logs (INFO and above) during the test, as a list of strings; works
+    where pytest's own log capture is off (`.ci/run` passes `-p no:logging`)."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("graphpass"), Collect(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
