@@ -231,12 +231,16 @@ def symbolic_rows_mode(example_rows: int = 8):
 
 def trace_decomposed(fn, args) -> torch.fx.GraphModule:
     """make_fx of `fn` on fake `args`, with the softmax family decomposed into max/sum/exp, so
-    that its row statistics are separate nodes a partition can save."""
+    that its row statistics are separate nodes a partition can save, and nll_loss into a gather
+    and a scatter."""
     from torch._decomp import get_decompositions
 
     aten = torch.ops.aten
     table = get_decompositions([aten._log_softmax, aten._softmax, aten.logsumexp, aten._log_softmax_backward_data,
-                                aten._softmax_backward_data, aten.special_entr])
+                                aten._softmax_backward_data, aten.special_entr,
+                                # cross-entropy's: a gather and a scatter of the picked entry,
+                                # which the peephole makes a select (`ops.peephole`)
+                                aten.nll_loss_forward, aten.nll_loss_backward])
     return make_fx(fn, decomposition_table=table)(*args)
 
 

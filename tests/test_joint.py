@@ -234,3 +234,33 @@ def test_a_kernel_the_compiler_fails_on_runs_its_fallback_or_uncompiled(graphpas
     messages = graphpass_log
     assert sum("runs uncompiled" in m and "compiles nothing" in m for m in messages) == 1, messages
     assert sum("its fallback runs instead" in m for m in messages) == 1, messages
+
+
+def test_a_scatter_into_zeros_becomes_a_select_only_where_it_writes_one_entry_per_row():
+    """`scatter(zeros, -1, idx, -1.0)` (nll_loss's backward) and a `[rows, 1]` src become
+    `where(arange(V) == idx, src, 0)`, and a row sum of the select times a row constant its
+    picked value; a src wider than the index (only its first column is written) stays a scatter."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphpass.ops import peephole
+
+    idx = torch.randint(0, V, (6, 1))
+    scale, wide = torch.randn(6, 1), torch.randn(6, V)
+
+    def scalar(idx, scale, wide):
+        picked = torch.zeros(6, V).scatter(-1, idx, -1.0) * scale
+        return picked, picked.sum(-1)
+
+    def wider(idx, scale, wide):
+        return (torch.zeros(6, V).scatter(-1, idx, wide),)
+
+    for fn, rewritten in ((scalar, True), (wider, False)):
+        gm = make_fx(fn)(idx, scale, wide)
+        expected = fn(idx, scale, wide)
+        peephole.optimize(gm.graph)
+        gm.recompile()
+        assert (aten.scatter.value not in _targets(gm) and aten.scatter.src not in _targets(gm)) == rewritten
+        if rewritten:
+            assert aten.sum.dim_IntList not in _targets(gm)
+        for mine, theirs in zip(gm(idx, scale, wide), expected):
+            torch.testing.assert_close(mine, theirs)

@@ -7,8 +7,9 @@
       gather(sub(div(x, t), lse), -1, idx)  ->  sub(div(gather(x, -1, idx), t), lse)
 
 - gather's backward as a select: `scatter_add(zeros[rows, V], -1, idx[rows, 1], g[rows, 1])`
-  becomes `where(arange(V) == idx, g, 0)`, a pointwise op that fuses with the rest of the
-  gradient instead of a zero-filled buffer and a scatter.
+  (or `scatter` of a `[rows, 1]` value or a scalar, as `nll_loss_backward` decomposes) becomes
+  `where(arange(V) == idx, g, 0)`, a pointwise op that fuses with the rest of the gradient
+  instead of a zero-filled buffer and a scatter.
 
 - a row sum of that select (log_softmax's backward sums its incoming gradient) is the select's
   value at the one column it picks: `sum(where(arange(V) == idx, g, 0), -1)` becomes
@@ -33,7 +34,7 @@ def optimize(graph: torch.fx.Graph) -> None:
             continue
         if node.target is aten.gather.default:
             _push_gather(graph, node)
-        elif node.target is aten.scatter_add.default:
+        elif node.target in (aten.scatter_add.default, aten.scatter.value, aten.scatter.src):
             _scatter_as_select(graph, node)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.sum.dim_IntList:
@@ -98,10 +99,20 @@ def _scatter_as_select(graph, scatter) -> None:
     if not (_is_last_dim(dim, base) and index_val is not None and index_val.shape[-1] == 1
             and same_shape(index_val.shape[:-1], size[:-1]) and isinstance(size[-1], int)):
         return
+    if scatter.kwargs or len(scatter.args) > 4:
+        return  # `reduce=`: not a plain write
+    scalar = scatter.target is aten.scatter.value
+    src_val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    if not scalar and (src_val is None or not same_shape(src_val.shape, index_val.shape)):
+        return  # a src wider than the index: only its first column is written, not `src[r, idx]`
     with graph.inserting_before(scatter):
         columns = graph.call_function(aten.arange.default, (size[-1],),
                                       {"dtype": index_val.dtype, "device": index_val.device})
         hit = graph.call_function(aten.eq.Tensor, (columns, index))
+        if scalar:  # a 0-d tensor of the base's dtype: the select keeps it
+            base_val = base.meta["val"]
+            src = graph.call_function(aten.scalar_tensor.default, (src,),
+                                      {"dtype": base_val.dtype, "device": base_val.device})
         select = graph.call_function(aten.where.ScalarOther, (hit, src, 0))
         select.meta["val"] = scatter.meta["val"]  # the same shape and dtype
         scatter.replace_all_uses_with(select)
@@ -114,22 +125,39 @@ def _sum_of_select(graph, row_sum) -> None:
     if (row_sum.kwargs.get("dtype") is not None or not isinstance(select, torch.fx.Node)
             or select.op != "call_function" or list(dims) not in ([-1], [1])):
         return
+    scale = None  # `select * scale`, scale a row's constant (nll_loss_backward's gradient)
+    if select.target is aten.mul.Tensor and len(select.args) == 2:
+        for a, b in (select.args, select.args[::-1]):
+            if isinstance(a, torch.fx.Node) and a.op == "call_function" and _is_row_constant(b):
+                select, scale = a, b
+                break
     if select.target not in (aten.where.ScalarOther, aten.where.Scalar) or select.args[2] != 0:
         return
     hit, value = select.args[0], select.args[1]  # `where(hit, value, 0)`, value a row's constant
     picked = _picked_column(hit)
-    value_val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-    if picked is None or (value_val is not None and not (value_val.ndim == 0 or value_val.shape[-1] == 1)):
+    if picked is None or not _is_row_constant(value):
         return
     index, vocab = picked
     with graph.inserting_before(row_sum):
         valid = graph.call_function(aten.logical_and.default, (graph.call_function(aten.ge.Scalar, (index, 0)),
                                                               graph.call_function(aten.lt.Scalar, (index, vocab))))
         picked_value = graph.call_function(select.target, (valid, value, select.args[2]))  # [rows, 1]
+        if scale is not None:
+            picked_value = graph.call_function(aten.mul.Tensor, (picked_value, scale))
         if not keepdim:
             picked_value = graph.call_function(aten.squeeze.dim, (picked_value, -1))
     row_sum.replace_all_uses_with(picked_value)
     graph.erase_node(row_sum)
+
+
+def _is_row_constant(value) -> bool:
+    """A Python number, a 0-d tensor or a `[..., 1]` one: the same at every column of a row."""
+    if not isinstance(value, torch.fx.Node):
+        return isinstance(value, (int, float, bool))
+    if value.target is aten.scalar_tensor.default:  # made by `_scatter_as_select`, without an example value
+        return True
+    val = value.meta.get("val")
+    return isinstance(val, torch.Tensor) and (val.ndim == 0 or val.shape[-1] == 1)
 
 
 def _picked_column(hit):
@@ -151,7 +179,7 @@ def _is_zeros(node) -> bool:
         return False
     if node.target is aten.full.default:
         return node.args[1] == 0
-    return node.target in (aten.zeros.default, aten.new_zeros.default)
+    return node.target in (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
 
 
 def _is_last_dim(dim, node) -> bool:
