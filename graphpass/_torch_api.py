@@ -113,8 +113,6 @@ def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None)
             if isinstance(a, torch.Tensor) and a.ndim == 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            if kernel is fn:
-                return fn(*args)
             try:
                 return kernel(*args)
             except _compiler_errors() as e:

@@ -79,15 +79,23 @@ class JointSplit:
         self.n_outputs = len(program.graph.output_node().args[0])
         self.overwritten: tuple[int, ...] = ()
         self._ids = _StructuralIds()
-        # (active, wanted) -> the structural ids of the backward's row values a column tile reads
-        # (`carried`), in the order of its arguments.
-        self._carried_ids: dict[tuple, list[int]] = {}
-        self._carried_specs: dict[tuple, list[SavedSpec]] = {}
+        # (active, wanted) -> each row value of the backward a column tile reads (`carried`), in the
+        # order of its arguments: its structural id and its spec.
+        self._carried: dict[tuple, list[tuple[int, SavedSpec]]] = {}
+        # (active, wanted) -> the joint trace: each gradient graph is built from it, and the carried
+        # values are found by name in the backward built from the same trace.
+        self._traces: dict[tuple, torch.fx.GraphModule] = {}
         self._split_forward(self._trace(tuple(differentiable_outputs), tuple(differentiable_inputs)))
 
     # ---- tracing -------------------------------------------------------------------------
     def _trace(self, active, wanted) -> torch.fx.GraphModule:
-        """make_fx of (args, grads of active outputs) -> (all outputs..., grads of wanted args...)."""
+        """make_fx of (args, grads of active outputs) -> (all outputs..., grads of wanted args...),
+        traced once per pattern (the graphs built from it only read it)."""
+        if (active, wanted) not in self._traces:
+            self._traces[(active, wanted)] = self._traced_joint(active, wanted)
+        return self._traces[(active, wanted)]
+
+    def _traced_joint(self, active, wanted) -> torch.fx.GraphModule:
         program, n_args = self.program, len(self.args)
 
         def joint(*flat):
@@ -205,7 +213,7 @@ class JointSplit:
         pass can compute more gradients from a column tile without any reduction over the
         vocabulary. Raises RuntimeError if the fused trace does not compute every value the tile
         reads (its row sums factored differently)."""
-        carried = self._carried_ids[(active, tile_wanted)]  # after `column_tile`
+        carried = [k for k, _ in self._carried_values(active, tile_wanted)]
         return self._gradient_graph(active, wanted, with_forward=True, saving=carried)
 
     def carried(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> list[SavedSpec]:
@@ -213,9 +221,12 @@ class JointSplit:
         the backward's own reductions over the vocabulary (a log-softmax's backward sums its
         incoming gradient along the row: a KL's `sum(p_teacher)` times each row's seed), which a
         tile cannot compute and a pass over whole rows before it (`fused_saving`) writes."""
-        if (active, wanted) not in self._carried_specs:
+        return [spec for _, spec in self._carried_values(active, wanted)]
+
+    def _carried_values(self, active, wanted) -> list[tuple[int, SavedSpec]]:
+        if (active, wanted) not in self._carried:
             self.column_tile(active, wanted)
-        return self._carried_specs[(active, wanted)]
+        return self._carried[(active, wanted)]
 
     def column_tile(self, active: tuple[int, ...], wanted: tuple[int, ...]) -> torch.fx.GraphModule:
         """`backward(active, wanted)` on a column tile of the wide inputs (see `on_column_tile`),
@@ -280,9 +291,8 @@ class JointSplit:
             carried = [n for n in self._row_reductions(joint, backward_nodes) if n.name in kept]
             if not reductions_only:
                 env.update({n: _placeholder(graph, f"carried{k}", n) for k, n in enumerate(carried)})
-            self._carried_ids[(active, wanted)] = [ids[n] for n in carried]
-            self._carried_specs[(active, wanted)] = [
-                SavedSpec(tuple(n.meta["val"].shape[1:]), n.meta["val"].dtype) for n in carried]
+            self._carried[(active, wanted)] = [
+                (ids[n], SavedSpec(tuple(n.meta["val"].shape[1:]), n.meta["val"].dtype)) for n in carried]
         out_slices = {i: _placeholder(graph, f"grad_in{i}", primals[i]) for i in in_place}
         env.update({primals[i]: out_slices[i] for i in overwritten})
         for node in joint.graph.nodes:
