@@ -56,3 +56,28 @@ def test_alternating_ab_times_both_in_one_worker():
     r = lm_head.measure_ab(spec)
     assert r["status"] == "ok" and len(r["pair_ratios"]) == 2 and r["ratio"] > 0
     assert set(r["times"]) == {"inductor", "graphpass"} and r["notes"]["lm_head_sites"] == 1
+
+
+def test_loss_outside_alternates_the_helper_alone_and_the_opt_in():
+    spec = lm_head.HeadSpec("ppo_outside", "ab", T=64, H=16, V=128, dtype="fp32", steps=2, inner="aot_eager")
+    r = lm_head.measure_ab(spec)
+    assert set(r["times"]) == {"inductor", "graphpass", "graphpass_fused"}
+    assert set(r["ratios"]) == {"graphpass", "graphpass_fused"} and r["ratios"]["graphpass"] == r["ratio"]
+    alone, fused = r["notes_by_method"]["graphpass"], r["notes_by_method"]["graphpass_fused"]
+    assert alone["lm_head_sites"] == fused["lm_head_sites"] == 1
+    assert alone["gradients_in_forward_sites"] == 0 and fused["gradients_in_forward_sites"] == 1
+
+
+def test_the_opt_in_matches_float64_and_is_what_the_loss_outside_check_reads():
+    base = lm_head.HeadSpec("ppo_outside", "eager", T=96, H=32, V=512, dtype="fp32", steps=2, time_budget_s=2.0,
+                            inner="aot_eager", chunk_size=40)
+    results = [dict(dataclasses.asdict(s), floor_bytes=s.floor_bytes, **lm_head.measure(s))
+               for s in (dataclasses.replace(base, method=m) for m in ("inductor", "graphpass", "graphpass_fused"))]
+    assert all(r["status"] == "ok" and r["parity"] <= 1e-5 for r in results), results
+    assert results[2]["notes"]["gradients_in_forward_sites"] == 1
+    assert lm_head.build(dataclasses.replace(base, workload="ppo", method="graphpass_fused")).startswith("the loss")
+    # At an acceptance shape (relabelled), the opt-in is checked and the helper alone is informational.
+    shape = dict(T=4096, H=256, V=65536)
+    checks = lm_head.acceptance([dict(r, **shape) for r in results])
+    assert [c["check"] for c in checks] == ["ppo_outside_recompute", "ppo_outside"]
+    assert checks[0]["passed"] is None and "graphpass_fused" in checks[1]["line"]
