@@ -367,9 +367,10 @@ def is_higher_order_op(target) -> bool:
     return isinstance(target, torch._ops.HigherOrderOperator)
 
 
-def schema_of(target) -> torch._C.FunctionSchema:
-    """The schema of an op overload: its arguments' names, order and kinds."""
-    return target._schema
+def schema_of(target) -> torch._C.FunctionSchema | None:
+    """The schema of an op overload (its arguments' names, order and kinds, whether it mutates);
+    None for any other target (a Python function, a higher-order op)."""
+    return target._schema if is_aten_overload(target) else None
 
 
 #: The ops of torch's functional collectives (`torch.distributed._functional_collectives`): the

@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted([*ROOT.glob("graphpass/**/*.py"), *ROOT.glob("passes/*.py")])
 # torch._dynamo and torch._inductor are torch.compile's own public-facing packages (backends
 # register with them); everything else private is reached through _torch_api.
-PRIVATE_TORCH = re.compile(r"torch\.(?!_dynamo\b|_inductor\b)_[A-Za-z]|torch\.ops\._|\._schema\b|_overloadpacket")
+PRIVATE_TORCH = re.compile(r"torch\.(?!_dynamo\b|_inductor\b)_[A-Za-z]|torch\.ops\._|\._schema\b|['\"]_schema['\"]"
+                           r"|_overloadpacket")
 
 
 def _sources():

@@ -118,7 +118,7 @@ def is_pointwise(target) -> bool:
 
 def normalized_args(node) -> dict | None:
     """The node's arguments by schema name, defaults filled in."""
-    schema = getattr(node.target, "_schema", None)
+    schema = schema_of(node.target)
     if schema is None:
         return None
     kw = {a.name: v for a, v in zip(schema.arguments, node.args)}

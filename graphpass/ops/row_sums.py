@@ -28,6 +28,7 @@ import itertools
 import torch
 import torch.fx
 
+from graphpass._torch_api import schema_of
 from graphpass.analysis.catalogue import is_deterministic_pointwise
 from graphpass.fx_utils import hashable
 
@@ -90,7 +91,7 @@ def merge_common_subexpressions(graph: torch.fx.Graph) -> None:
 
 
 def _mutates(node) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = schema_of(node.target)
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
