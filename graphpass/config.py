@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from graphpass.ops import chunk_sizes
 from graphpass.passes import check_pass_names
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -16,8 +17,10 @@ class Config:
     chunk_size: int | None = None
     """Rows (tokens) per chunk; None chooses it at run time from `chunk_budget_bytes`."""
 
-    chunk_budget_bytes: int = 16 * 2**20
-    """Target bytes of one fp32 `[chunk, V]` intermediate when `chunk_size` is None."""
+    chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES
+    """Bytes of a chunk's temporaries when `chunk_size` is None: the least a one-device op's chunk
+    gets (it grows with the floor), the most a vocab-parallel logits chunk gets on a CPU; the
+    rule of each op is in `graphpass.ops.chunk_sizes`."""
 
     inner: str = "inductor"
     """Compiler for the rest of the graph and the per-chunk kernels: inductor, aot_eager or eager."""

@@ -295,7 +295,8 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
         with_entropy = with_a or with_b
         entropy_grad = (with_a and grad_a) or (with_b and grad_b)
         op = _torch_api.fake_node(graph, fake_mode, _OP, (logits, target, keep_mask, group, temperature, with_entropy,
-                                                          entropy_grad, ignore_index, chunk, kernels, _rounded(a)),
+                                                          entropy_grad, ignore_index, chunk, kernels, _rounded(a),
+                                                          *a.args[11:]),
                                   {}, place)
         items = [_torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, place) for i in range(2)]
         detached = [_torch_api.fake_node(graph, fake_mode, aten.detach.default, (item,), {}, place) for item in items]
@@ -359,7 +360,7 @@ def _absorb_into(site: SiteRecord, op: torch.fx.Node) -> None:
     logits, temperature, rounded = _absorb_scaling(op.args[0], op.args[4], _rounded(op))
     if logits is op.args[0]:
         return
-    op.args = (logits, *op.args[1:4], float(temperature), *op.args[5:10], rounded)
+    op.args = (logits, *op.args[1:4], float(temperature), *op.args[5:10], rounded, *op.args[11:])
     wide = logits.meta["val"]
     site.shape, site.dtype = tuple(wide.shape), wide.dtype
     for output in site.outputs:
@@ -714,7 +715,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
             ignore_index = None
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
                   match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk,
-                  "inductor" if config.inner == "inductor" else "eager", rounded, like=like)
+                  "inductor" if config.inner == "inductor" else "eager", rounded, config.chunk_budget_bytes, like=like)
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
         if sum_grads:
             results = _summing_grads(node, results, with_entropy, match.group_name)

@@ -20,7 +20,7 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.analysis.layouts import Role
-from graphpass.ops import devices, head_matmul
+from graphpass.ops import chunk_sizes, devices, head_matmul
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import ArgSpec, JointSplit
 
@@ -118,13 +118,13 @@ class RegionProgram:
 
     # ---- sizes -------------------------------------------------------------------------
     def rows_per_chunk(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
-        """Rows per chunk: the configured size, else the budget (at least 1/64 of the floor)."""
+        """Rows per chunk: the configured size, else what fits `chunk_sizes`' budget for logits."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
-        floor = rows * vocab * grad_itemsize
-        budget = max(self.chunk_budget_bytes, floor // 64)
+        budget = chunk_sizes.at_least_budget(rows * vocab * grad_itemsize, chunk_sizes.LOGITS_SHARE,
+                                             self.chunk_budget_bytes)
         per_element = 4 + self.kernel_temporary_bytes(measured_only=True) + grad_itemsize * len(self.frozen_heads)
-        return max(1, min(rows, int(budget // (vocab * per_element))))
+        return chunk_sizes.rows_within(budget, vocab * per_element, rows)
 
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         """Rows per chunk for these inputs; here forward and backward chunk alike."""

@@ -47,7 +47,7 @@ import logging
 
 import torch
 
-from graphpass.ops import devices, head_matmul
+from graphpass.ops import chunk_sizes, devices, head_matmul
 from graphpass.ops.chunked_op import BCAST, WIDE, RegionProgram, empty_gradient
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import NotTileable
@@ -91,12 +91,13 @@ class LinearHeadProgram(RegionProgram):
         return (rows + vocab) * self.head.hidden_size * itemsize
 
     def _budget(self, rows: int, vocab: int, itemsize: int, backward: bool) -> int:
-        """Bytes for temporaries, at least `chunk_budget_bytes`: a fifth of the floor in backward
-        (on top of the gradients); the floor in forward, before any gradient exists, so that it
-        stays below the backward's peak while its GEMMs get rows (a block's `[rows, H] @ [H, V]`
-        re-reads the weight: at H=256, V=65536, fp32, 256-row blocks ran 97 GF/s here, 128-row
-        ones 87, and the loss-outside step 3 % faster)."""
-        return max(self.chunk_budget_bytes, self.floor_bytes(rows, vocab, itemsize) // (5 if backward else 1))
+        """Bytes for temporaries (`chunk_sizes`): at least `chunk_budget_bytes`, a fifth of the
+        floor in backward (on top of the gradients); the floor in forward, before any gradient
+        exists, so that it stays below the backward's peak while its GEMMs get rows (a block's
+        `[rows, H] @ [H, V]` re-reads the weight: at H=256, V=65536, fp32, 256-row blocks ran
+        97 GF/s here, 128-row ones 87, and the loss-outside step 3 % faster)."""
+        share = chunk_sizes.LM_HEAD_BACKWARD_SHARE if backward else chunk_sizes.LM_HEAD_FORWARD_SHARE
+        return chunk_sizes.at_least_budget(self.floor_bytes(rows, vocab, itemsize), share, self.chunk_budget_bytes)
 
     def block_rows(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Rows per matmul: the configured chunk size, else what keeps a block's temporaries
@@ -104,8 +105,8 @@ class LinearHeadProgram(RegionProgram):
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
         per_row = vocab * self._bytes_per_element(grad_itemsize, backward, self._weight_upcast(grad_itemsize))
-        block = max(1, min(rows, int(self._budget(rows, vocab, grad_itemsize, backward) // per_row)))
-        return block - block % 32 if block >= 64 else block  # whole GEMM panels
+        block = chunk_sizes.rows_within(self._budget(rows, vocab, grad_itemsize, backward), per_row, rows)
+        return block - block % chunk_sizes.PANEL_ROWS if block >= 2 * chunk_sizes.PANEL_ROWS else block
 
     def tile_columns(self, rows: int, vocab: int, itemsize: int, upcast: bool) -> int:
         """Vocabulary entries per tile of all `rows`: what keeps the tile's logits (and with

@@ -30,15 +30,8 @@ import torch
 import torch.distributed
 
 from graphpass import _torch_api
-from graphpass.ops import devices
+from graphpass.ops import chunk_sizes, devices
 from graphpass.ops.groups import all_gather, group_name, rank_and_size
-
-# Rows per chunk when the caller does not choose: one fp32 `[chunk, V/tp]` temporary takes about
-# this many bytes, and at most this fraction of the floor (the logits' gradient), so that the
-# four or five the backward holds at once stay within a few percent of it (1/96 left 1.11 x the
-# floor per rank at T=1024 V=32768 TP=2 fp32, 1/160 1.07 x, at the same step time).
-_CHUNK_BUDGET_BYTES = 16 * 2**20
-_CHUNK_FLOOR_FRACTION = 1 / 160
 
 # Columns of the per-row statistics each rank contributes to the one collective.
 _M, _S = 0, 1  # the log-prob distribution (masked by keep_mask): max m, sum exp(x - m)
@@ -96,13 +89,15 @@ def _chunks(logits, chunk_size: int):
             yield slice(offset + start, offset + stop), block[start:stop]
 
 
-def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int, device: torch.device) -> int:
+def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int, device: torch.device,
+                    budget_bytes: int) -> int:
+    """Rows per chunk: `chunk_size` (> 0), else one fp32 `[chunk, V]` temporary within
+    `chunk_sizes.vocab_parallel_logits_bytes` of the logits' bytes (on a CPU at most `budget_bytes`)."""
     if chunk_size > 0:
         return max(1, min(chunk_size, rows))
-    budget = rows * vocab * itemsize * _CHUNK_FLOOR_FRACTION
-    if devices.host_reads_are_free(device):  # on the CPU a chunk also fits the cache
-        budget = min(_CHUNK_BUDGET_BYTES, budget)
-    return max(1, min(rows, int(budget) // max(1, vocab * 4)))
+    budget = chunk_sizes.vocab_parallel_logits_bytes(rows * vocab * itemsize, budget_bytes,
+                                                      host=devices.host_reads_are_free(device))
+    return chunk_sizes.rows_within(budget, vocab * 4, rows)
 
 
 def _flat(t: torch.Tensor | None, rows: int, width: int | None = None):
@@ -260,7 +255,8 @@ def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None)
 
 
 def forward_statistics(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
-             ignore_index: int | None, chunk_size: int, kernels: str):
+                       ignore_index: int | None, chunk_size: int, kernels: str,
+                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES):
     """The op's forward over `logits`, a `[*, Vl]` tensor or a `HeadLogits` (computed chunk by chunk)."""
     group, rank, size = rank_and_size(group_name)
     vocab = logits.shape[-1]
@@ -273,7 +269,7 @@ def forward_statistics(logits, target, keep_mask, group_name: str, temperature: 
     local_target, owned, ignored = _local_targets(target_flat, rank, vocab, ignore_index)
     keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
     stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
-    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device, chunk_budget_bytes)
     with torch.no_grad():
         for sl, piece in _row_chunks(logits, chunk):
             lt, own = local_target[sl], owned[sl]
@@ -314,7 +310,7 @@ def forward_statistics(logits, target, keep_mask, group_name: str, temperature: 
 # ---- backward ------------------------------------------------------------------------------------
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
               temperature: float, ignore_index: int | None, chunk_size: int, kernels: str,
-              rounded_division: bool = False):
+              rounded_division: bool, chunk_budget_bytes: int):
     """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective.
 
     `rounded_division`: the op's logits are `logits / temperature` computed in the logits' dtype
@@ -333,7 +329,7 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
             torch.div(chunk_grad, quotient_temperature, out=grad[sl])
 
     backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                   temperature, ignore_index, chunk_size, kernels, write)
+                  temperature, ignore_index, chunk_size, kernels, write, chunk_budget_bytes)
     return grad.view(logits.shape)
 
 
@@ -366,7 +362,8 @@ class GradRows:
 
 
 def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
-                   temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink) -> None:
+                  temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink,
+                  chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES) -> None:
     """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows in order;
     `logits`: a `[*, Vl]` tensor or a `HeadLogits`. No collective."""
     _, rank, _ = rank_and_size(group_name)
@@ -386,7 +383,7 @@ def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_log
     # An entropy returned only for logging gets a zero gradient: skip its recompute.
     g_ent = None if devices.known_zero(grad_entropy) else _flat(grad_entropy, rows).to(dtype)
     lse_ent = lse_full if masked else lse_lp
-    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device)
+    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device, chunk_budget_bytes)
     if not masked:
         entropy_rows = entropy.reshape(-1)
         # A chunk a `HeadLogits` or `RoundedQuotient` computed is a temporary: its gradient takes its place.
@@ -485,20 +482,23 @@ def fake_outputs(like, lead, with_entropy: bool, masked: bool):
                         tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
                        temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
-                       chunk_size: int, kernels: str, rounded_division: bool = False
+                       chunk_size: int, kernels: str, rounded_division: bool = False,
+                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0]).
 
     `rounded_division`: the logits are divided by the temperature in their own dtype, as eager
-    divides bf16/fp16 logits (`RoundedQuotient`), not upcast first and divided in fp32."""
+    divides bf16/fp16 logits (`RoundedQuotient`), not upcast first and divided in fp32.
+    `chunk_budget_bytes`: `Config.chunk_budget_bytes`, for `chunk_size` 0 (`chunk_sizes`)."""
     if rounded_division and temperature != 1.0:
         logits, temperature = RoundedQuotient(logits, temperature), 1.0
-    return forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size, kernels)
+    return forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size,
+                              kernels, chunk_budget_bytes)
 
 
 @_vocab_parallel_op.register_fake
 def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-      kernels, rounded_division=False):
+      kernels, rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES):
     return fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
 
 
@@ -508,22 +508,24 @@ def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep
                                 lse_lp: torch.Tensor, lse_full: torch.Tensor, entropy: torch.Tensor,
                                 grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
                                 temperature: float, ignore_index: int | None, chunk_size: int,
-                                kernels: str, rounded_division: bool = False) -> torch.Tensor:
+                                kernels: str, rounded_division: bool = False,
+                                chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
     return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                     temperature, ignore_index, chunk_size, kernels, rounded_division and temperature != 1.0)
+                     temperature, ignore_index, chunk_size, kernels, rounded_division and temperature != 1.0,
+                     chunk_budget_bytes)
 
 
 @_vocab_parallel_backward_op.register_fake
 def _(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name, temperature,
-      ignore_index, chunk_size, kernels, rounded_division=False):
+      ignore_index, chunk_size, kernels, rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
     (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-     kernels, *rounded) = inputs
-    ctx.rounded_division = bool(rounded and rounded[0])
+     kernels, rounded_division, chunk_budget_bytes) = inputs
+    ctx.rounded_division, ctx.chunk_budget_bytes = bool(rounded_division), chunk_budget_bytes
     logprob, entropy, lse_lp, lse_full = output
     ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
     ctx.kernels = kernels
@@ -537,16 +539,16 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
     if not ctx.needs_input_grad[0]:
-        return (None,) * 11
+        return (None,) * 12
     logits, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
     if not ctx.entropy_grad:
         grad_entropy = None
     if grad_logprob is None and grad_entropy is None:
-        return (None,) * 11
+        return (None,) * 12
     grad = _vocab_parallel_backward_op(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob,
                                        grad_entropy, ctx.group_name, ctx.temperature, ctx.ignore_index,
-                                       ctx.chunk_size, ctx.kernels, ctx.rounded_division)
-    return (grad,) + (None,) * 10
+                                       ctx.chunk_size, ctx.kernels, ctx.rounded_division, ctx.chunk_budget_bytes)
+    return (grad,) + (None,) * 11
 
 
 _vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -575,8 +577,8 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
         keep_mask: optional bool `[*, Vl]` or `[Vl]`: logits not kept count as -inf for the
             log-prob (top-p replay); each row's own target is always kept, as in slime. The entropy
             is that of the unmasked logits.
-        chunk_size: rows per chunk; None: one fp32 `[chunk, Vl]` temporary of at most 16 MiB and
-            1/160 of the logits' bytes.
+        chunk_size: rows per chunk; None: one fp32 `[chunk, Vl]` temporary of 1/160 of the logits'
+            bytes, on a CPU at most 16 MiB (`graphpass.ops.chunk_sizes`).
 
     Returns:
         `(logprob, entropy)`, each of the logits' leading shape, float64 for float64 logits and fp32

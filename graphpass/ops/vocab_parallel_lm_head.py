@@ -17,36 +17,22 @@ import math
 
 import torch
 
-from graphpass.ops import devices
+from graphpass.ops import chunk_sizes, devices
 from graphpass.ops.groups import group_name, rank_and_size
 from graphpass.ops.vocab_parallel import (GradRows, HeadLogits, backward_rows, chunk_grad_, compiled_kernel,
                                           compute_dtype, fake_outputs, forward_statistics)
 
 
-# The lm_head ops' one large temporary, a block of rows (or a vocabulary tile) of logits overwritten
-# by their gradient, takes at most this share of their floor (the hidden states' and the weight's
-# gradients). In `vocab_parallel_lm_head_with_gradients` each block costs one all-gather, a
-# synchronisation of the ranks (on a loaded CPU far dearer than its bytes): the blocks are as few
-# as the share allows, of even size, in whole GEMM panels of rows.
-_FLOOR_SHARE = 1 / 2
-_PANEL = 32
-
-
 def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
-    """Rows per block: `chunk_size` (> 0), else the fewest blocks of `[block, vocab]` within the
-    floor's share, split evenly and rounded up to whole panels where that still fits (else whole
-    panels that fit)."""
+    """Rows per block: `chunk_size` (> 0), else the fewest blocks of `[block, vocab]` logits (one
+    all-gather each in `vocab_parallel_lm_head_with_gradients`: a synchronisation of the ranks, on
+    a loaded CPU far dearer than its bytes) within the floor's share (`chunk_sizes`), of even size
+    in whole GEMM panels."""
     if chunk_size > 0:
         return max(1, min(chunk_size, rows))
     floor = (rows + vocab) * hidden_size * itemsize
-    limit = max(1, int(floor * _FLOOR_SHARE // (vocab * itemsize)))
-    if limit >= rows:
-        return max(1, rows)
-    block = -(-rows // -(-rows // limit))
-    panels = _PANEL * -(-block // _PANEL)
-    if panels <= limit:
-        return panels
-    return _PANEL * (limit // _PANEL) if limit >= _PANEL else block
+    limit = max(1, int(floor * chunk_sizes.VOCAB_PARALLEL_LM_HEAD_SHARE // (vocab * itemsize)))
+    return chunk_sizes.even_panels(rows, limit)
 
 
 class HeadGradients:
@@ -138,15 +124,9 @@ def _tile_columns(chunk_size: int, rows: int, vocab: int, hidden_size: int, item
     the floor's share (`block_rows` turned on its side; `chunk_size` > 0 caps it at as many
     entries as that many rows take), of even width in whole panels."""
     floor = (rows + vocab) * hidden_size * itemsize
-    budget = floor * _FLOOR_SHARE if chunk_size <= 0 else chunk_size * vocab * itemsize
+    budget = floor * chunk_sizes.VOCAB_PARALLEL_LM_HEAD_SHARE if chunk_size <= 0 else chunk_size * vocab * itemsize
     limit = max(1, int(budget // (max(1, rows) * itemsize)))
-    if limit >= vocab:
-        return vocab
-    tile = -(-vocab // -(-vocab // limit))
-    panels = _PANEL * -(-tile // _PANEL)
-    if panels <= limit:
-        return panels
-    return _PANEL * (limit // _PANEL) if limit >= _PANEL else tile
+    return chunk_sizes.even_panels(vocab, limit)
 
 
 def _head_backward_by_tiles(head: HeadLogits, hidden_shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
