@@ -7,8 +7,9 @@ The loss is computed from `hidden [T, H]` and the output layer's `W [V, H]`: `pp
 PPO loss (temperature 0.7, entropy computed, coefficient 0) over `F.linear(hidden, W)`;
 `ppo_outside` is the same loss computed after a compiled log-prob helper returns
 (`logp, entropy = compiled(hidden, W, targets)`, as TRL, verl and OpenRLHF call one: the backward
-recomputes the logits, four GEMMs where inductor's keeps them and runs three); `ce` is `F.cross_entropy(F.linear(hidden, W).float(), targets)`, the one loss
-`F.linear_cross_entropy` also computes. The floor is the bytes of the gradients backward must
+recomputes the logits, four GEMMs where inductor's keeps them and runs three); `ce` is
+`F.cross_entropy(F.linear(hidden, W).float(), targets)`, the one loss `F.linear_cross_entropy`
+also computes. The floor is the bytes of the gradients backward must
 produce, `hidden.grad + W.grad`.
 
 Methods: `eager`; `inductor` (`torch.compile`); `autochunk` (inductor's auto-chunker, which targets
@@ -595,10 +596,9 @@ def acceptance(results: list[dict], ab: list[dict] = ()) -> list[dict]:
         ind = _find(results, r, "inductor")
         ratio = r["time_s"] / ind["time_s"] if ind else None
         paired = next((a for a in ab if a.get("status") == "ok" and _same_config(a, r)
-                       and a.get("notes_by_method", {"graphpass": a.get("notes")}).get(r["method"], {})
-                       .get("lm_head_sites")), None)
+                       and a["notes_by_method"].get(r["method"], {}).get("lm_head_sites")), None)
         if paired is not None:
-            ratio = paired.get("ratios", {"graphpass": paired["ratio"]})[r["method"]]
+            ratio = paired["ratios"][r["method"]]
         if r["workload"] == "ppo_outside" and r["method"] == "graphpass" and any(
                 all(r[k] == v for k, v in c.items() if k != "method") for c, _ in ACCEPTANCE):
             out.append(dict(check="ppo_outside_recompute", passed=None, time_ratio=ratio,

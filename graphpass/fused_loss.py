@@ -10,7 +10,6 @@ sum of per-token terms the lm_head site computes every gradient in forward (thre
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -43,7 +42,6 @@ def fuse_loss(helper, loss, *, backend: Backend | None = None, **compile_options
     compiled = torch.compile(helper_then_loss, backend=backend, **compile_options)
     graphs_seen = 0
 
-    @functools.wraps(loss)
     def step(helper_args, *loss_args, **loss_kwargs):
         nonlocal graphs_seen
         if not isinstance(helper_args, (tuple, list)):
