@@ -91,7 +91,7 @@ class LinearHeadProgram(RegionProgram):
         return (rows + vocab) * self.head.hidden_size * itemsize
 
     def _budget(self, rows: int, vocab: int, itemsize: int, backward: bool) -> int:
-        """Bytes for temporaries (`chunk_sizes`): at least `chunk_budget_bytes`, a fifth of the
+        """Bytes for temporaries (`chunk_sizes`): at least `chunk_budget_bytes`, an eighth of the
         floor in backward (on top of the gradients); the floor in forward, before any gradient
         exists, so that it stays below the backward's peak while its GEMMs get rows (a block's
         `[rows, H] @ [H, V]` re-reads the weight: at H=256, V=65536, fp32, 256-row blocks ran
