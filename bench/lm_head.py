@@ -450,7 +450,8 @@ def ab_methods(workload: str) -> tuple[str, ...]:
 def measure_ab(spec: HeadSpec) -> dict:
     """Time graphpass (and `ab_methods`' others) against inductor in one worker, their steps
     alternating, so all see the same background load (the fair ratio on a shared machine): medians
-    and per-pair ratios; `ratio` and `pair_ratios` are graphpass's, `ratios` each method's."""
+    and per-pair ratios (`pair_ratios`, each method's; `ratio` is graphpass's median, `ratios`
+    each method's)."""
     batch = make_inputs(spec)
     args = [batch[k] for k in FIELDS]
     hidden, weight = batch["hidden"], batch["weight"]
@@ -470,7 +471,7 @@ def measure_ab(spec: HeadSpec) -> dict:
     pairs = {m: [t / i for t, i in zip(times[m], times["inductor"])] for m in fns if m != "inductor"}
     return dict(status="ok", times=times, inductor_s=statistics.median(times["inductor"]),
                 graphpass_s=statistics.median(times["graphpass"]), ratio=statistics.median(pairs["graphpass"]),
-                pair_ratios=pairs["graphpass"], ratios={m: statistics.median(p) for m, p in pairs.items()},
+                pair_ratios=pairs, ratios={m: statistics.median(p) for m, p in pairs.items()},
                 load_avg_1m=os.getloadavg()[0], notes=built["graphpass"][1](),
                 notes_by_method={m: b[1]() for m, b in built.items() if m != "inductor"})
 
@@ -492,7 +493,7 @@ def run_ab(args) -> list[dict]:
                 print(f"A/B {label}: {m} {statistics.median(r['times'][m]) * 1e3:.0f} ms (lm_head sites: "
                       f"{n.get('lm_head_sites')}, gradients in forward: {n.get('gradients_in_forward_sites')}), "
                       f"inductor {r['inductor_s'] * 1e3:.0f} ms, {ratio:.2f} x (pairs "
-                      f"{', '.join(f'{t / i:.2f}' for t, i in zip(r['times'][m], r['times']['inductor']))}; "
+                      f"{', '.join(f'{p:.2f}' for p in r['pair_ratios'][m])}; "
                       f"load {r['load_avg_1m']:.1f})", flush=True)
         else:
             print(f"A/B {_label(spec)}: {r['status']}: {r.get('note', '')[:300]}", flush=True)

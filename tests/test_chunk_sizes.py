@@ -16,8 +16,8 @@ def test_one_device_chunks_take_their_share_of_the_floor_at_least_the_budget():
     assert chunk_sizes.at_least_budget(64 * MiB, chunk_sizes.LOGITS_SHARE, 16 * MiB) == 16 * MiB
     assert chunk_sizes.at_least_budget(4096 * MiB, chunk_sizes.LOGITS_SHARE, 16 * MiB) == 64 * MiB
     assert chunk_sizes.at_least_budget(17, chunk_sizes.LM_HEAD_BACKWARD_SHARE, 1) == 2  # rounded down, exactly
-    assert chunk_sizes.rows_within(10 * 4096, 4096, 100) == 10
-    assert chunk_sizes.rows_within(1, 4096, 100) == 1 and chunk_sizes.rows_within(10**12, 4096, 100) == 100
+    assert chunk_sizes.fitting(10 * 4096, 4096, 100) == 10
+    assert chunk_sizes.fitting(1, 4096, 100) == 1 and chunk_sizes.fitting(10**12, 4096, 100) == 100
 
 
 def test_vocab_parallel_logits_take_a_160th_of_the_floor_at_most_the_budget_on_a_cpu():

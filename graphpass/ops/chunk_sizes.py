@@ -41,6 +41,12 @@ PANEL_ROWS = 32
 """Rows of one GEMM panel: blocks of whole panels keep the matmuls at full speed."""
 
 
+def lm_head_floor_bytes(rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
+    """The floor of an lm_head op (one device, or one rank's shard): the bytes of the gradients
+    its backward must produce, the hidden states' `[rows, H]` and the weight's `[V, H]`."""
+    return (rows + vocab) * hidden_size * itemsize
+
+
 def at_least_budget(floor_bytes: int, share: Fraction, budget_bytes: int) -> int:
     """Bytes of a one-device op's chunk: its share of the floor, at least the budget."""
     return max(budget_bytes, int(floor_bytes * share))
@@ -53,9 +59,10 @@ def vocab_parallel_logits_bytes(floor_bytes: int, budget_bytes: int, host: bool)
     return min(budget_bytes, share) if host else share
 
 
-def rows_within(budget_bytes: float, bytes_per_row: float, rows: int) -> int:
-    """The most rows (at least 1, at most `rows`) whose `bytes_per_row` fit in the budget."""
-    return max(1, min(rows, int(budget_bytes // max(1, bytes_per_row))))
+def fitting(budget_bytes: float, bytes_each: float, most: int) -> int:
+    """How many of something of `bytes_each` (rows, columns), at least 1 and at most `most`,
+    fit in the budget."""
+    return max(1, min(most, int(budget_bytes // max(1, bytes_each))))
 
 
 def even_panels(total: int, limit: int) -> int:

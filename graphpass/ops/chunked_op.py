@@ -124,7 +124,7 @@ class RegionProgram:
         budget = chunk_sizes.at_least_budget(rows * vocab * grad_itemsize, chunk_sizes.LOGITS_SHARE,
                                              self.chunk_budget_bytes)
         per_element = 4 + self.kernel_temporary_bytes(measured_only=True) + grad_itemsize * len(self.frozen_heads)
-        return chunk_sizes.rows_within(budget, vocab * per_element, rows)
+        return chunk_sizes.fitting(budget, vocab * per_element, rows)
 
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         """Rows per chunk for these inputs; here forward and backward chunk alike."""

@@ -87,8 +87,8 @@ class LinearHeadProgram(RegionProgram):
     # bf16 acceptance step from 4.3 s to 8.5 s at load 3-4).
 
     def floor_bytes(self, rows: int, vocab: int, itemsize: int) -> int:
-        """Bytes of the gradients the backward must produce: hidden's and the weight's."""
-        return (rows + vocab) * self.head.hidden_size * itemsize
+        """Bytes of the gradients the backward must produce (`chunk_sizes.lm_head_floor_bytes`)."""
+        return chunk_sizes.lm_head_floor_bytes(rows, vocab, self.head.hidden_size, itemsize)
 
     def _budget(self, rows: int, vocab: int, itemsize: int, backward: bool) -> int:
         """Bytes for temporaries (`chunk_sizes`): at least `chunk_budget_bytes`, an eighth of the
@@ -105,7 +105,7 @@ class LinearHeadProgram(RegionProgram):
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
         per_row = vocab * self._bytes_per_element(grad_itemsize, backward, self._weight_upcast(grad_itemsize))
-        block = chunk_sizes.rows_within(self._budget(rows, vocab, grad_itemsize, backward), per_row, rows)
+        block = chunk_sizes.fitting(self._budget(rows, vocab, grad_itemsize, backward), per_row, rows)
         return block - block % chunk_sizes.PANEL_ROWS if block >= 2 * chunk_sizes.PANEL_ROWS else block
 
     def tile_columns(self, rows: int, vocab: int, itemsize: int, upcast: bool) -> int:
@@ -114,7 +114,7 @@ class LinearHeadProgram(RegionProgram):
         rounded down to a power of two (each width compiles the tile kernel once, so counts of rows
         within a factor of two share it), at least `_MIN_TILE_COLUMNS`."""
         per_column = max(rows, 1) * self._bytes_per_element(itemsize, True, upcast)
-        fits = max(1, int(self._budget(rows, vocab, itemsize, True) // per_column))
+        fits = chunk_sizes.fitting(self._budget(rows, vocab, itemsize, True), per_column, vocab)
         return min(vocab, max(_MIN_TILE_COLUMNS, 1 << (fits.bit_length() - 1)))
 
     def kept_columns(self, rows: int, vocab: int, itemsize: int) -> tuple[int, int]:

@@ -97,7 +97,7 @@ def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int, devic
         return max(1, min(chunk_size, rows))
     budget = chunk_sizes.vocab_parallel_logits_bytes(rows * vocab * itemsize, budget_bytes,
                                                       host=devices.host_reads_are_free(device))
-    return chunk_sizes.rows_within(budget, vocab * 4, rows)
+    return chunk_sizes.fitting(budget, vocab * 4, rows)
 
 
 def _flat(t: torch.Tensor | None, rows: int, width: int | None = None):

@@ -30,8 +30,8 @@ def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsiz
     in whole GEMM panels."""
     if chunk_size > 0:
         return max(1, min(chunk_size, rows))
-    floor = (rows + vocab) * hidden_size * itemsize
-    limit = max(1, int(floor * chunk_sizes.VOCAB_PARALLEL_LM_HEAD_SHARE // (vocab * itemsize)))
+    floor = chunk_sizes.lm_head_floor_bytes(rows, vocab, hidden_size, itemsize)
+    limit = chunk_sizes.fitting(floor * chunk_sizes.VOCAB_PARALLEL_LM_HEAD_SHARE, vocab * itemsize, rows)
     return chunk_sizes.even_panels(rows, limit)
 
 
@@ -123,9 +123,9 @@ def _tile_columns(chunk_size: int, rows: int, vocab: int, hidden_size: int, item
     """Vocabulary entries per tile of `_head_backward_by_tiles`: the `[rows, tile]` logits within
     the floor's share (`block_rows` turned on its side; `chunk_size` > 0 caps it at as many
     entries as that many rows take), of even width in whole panels."""
-    floor = (rows + vocab) * hidden_size * itemsize
+    floor = chunk_sizes.lm_head_floor_bytes(rows, vocab, hidden_size, itemsize)
     budget = floor * chunk_sizes.VOCAB_PARALLEL_LM_HEAD_SHARE if chunk_size <= 0 else chunk_size * vocab * itemsize
-    limit = max(1, int(budget // (max(1, rows) * itemsize)))
+    limit = chunk_sizes.fitting(budget, max(1, rows) * itemsize, vocab)
     return chunk_sizes.even_panels(vocab, limit)
 
 
