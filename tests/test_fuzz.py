@@ -106,26 +106,29 @@ def test_programs_are_determined_by_their_seed_and_run_eagerly():
 
 
 # The fixed seeds run with the eager inner compiler: the capture and the passes are the same, and
-# compiling every site's per-chunk kernels (60% of an aot_eager run) would take the 100 programs
-# from about 2.5 to 6 minutes on 2 cores. The hypothesis test uses aot_eager (`check_source`'s
-# default); `python -m bench.fuzz` uses eager unless given --inner.
+# compiling every site's per-chunk kernels (60% of an aot_eager run) would more than double their
+# time. The hypothesis test uses aot_eager (`check_source`'s default); `python -m bench.fuzz` uses
+# eager unless given --inner. Both are samples that keep the suite within its 15 minutes: the
+# campaign that shows behaviour unchanged is `python -m bench.fuzz -n 2000`.
 FIXED_SEEDS_INNER = "eager"
+FIXED_SEEDS = range(50)
 
 
 def test_fixed_seeds_match_eager():
-    """Seeds 0..99 (about 2.5 minutes on 2 cores): every program's results equal eager's."""
-    workers = min(2, os.cpu_count() or 1)
-    results = run.run_seeds(range(100), inner=FIXED_SEEDS_INNER, workers=workers)
+    """Seeds 0..49 (about a minute on a quiet core): every program's results equal eager's."""
+    # Under pytest-xdist every CPU already runs a test module: more processes would only wait.
+    workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1)
+    results = run.run_seeds(FIXED_SEEDS, inner=FIXED_SEEDS_INNER, workers=workers)
     bad = [f"{r.name}: {r.mismatch}" for r in results if r.mismatch]
     assert not bad, (f"{len(bad)} mismatches (show one: python -m bench.fuzz --seed N -n 1 --show "
                      f"--inner {FIXED_SEEDS_INNER}):\n" + "\n".join(bad))
-    # The fuzzer must exercise the rewrite, not only run graphs unchanged (98 of the 100 programs
-    # were rewritten at the time of writing): fewer means lost coverage of real loss code.
+    # The fuzzer must exercise the rewrite, not only run graphs unchanged (98 of seeds 0..99 were
+    # rewritten at the time of writing): fewer means lost coverage of real loss code.
     rewritten = sum(r.sites > 0 for r in results)
-    assert rewritten >= 80, f"only {rewritten} of 100 programs were rewritten"
+    assert rewritten >= 0.8 * len(results), f"only {rewritten} of {len(results)} programs were rewritten"
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_hypothesis_programs_match_eager(data):

@@ -3,6 +3,7 @@ entropy, and PolicyLoss.
 
 Restated from openrlhf/models/utils.py (log_probs_from_logits: `logits.div_(temperature)`, the
 fp32 branch without flash-attn: gather + _logsumexp_by_chunk, a zeros buffer filled by slices;
+the branch for other dtypes: log_softmax + gather per row of the batch, stacked;
 compute_entropy; compute_approx_kl; masked_mean), openrlhf/models/actor.py (Actor.forward: logits
 `.to(torch.float32)`, `torch.roll` labels, `[:, :-1]`, the action slice times action_mask) and
 openrlhf/models/loss.py (aggregate_loss; PolicyLoss: PPO with dual clip, GSPO), with the entropy
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from . import (Case, choices, gen, head_logits, lm_head, lp_and_entropy, n_chunks, near_logp, randn, response_mask,
-               seq_offset, tokens)
+from . import (Case, choices, gen, head_logits, lm_head, lp_and_entropy, n_chunks, near_logp, one_or_each, randn,
+               response_mask, seq_offset, tokens)
 
 TEMP = 0.7
 LSE_CHUNK = 8  # _logsumexp_by_chunk's chunk_size (1024 in the library), small here
@@ -32,6 +33,10 @@ def _logsumexp_by_chunk(logits, chunk_size=LSE_CHUNK):
 def log_probs_from_logits(logits, labels, temperature=1.0):
     if temperature != 1.0:
         logits.div_(temperature)
+    if logits.dtype not in (torch.float32, torch.float64):  # one row of the batch at a time
+        rows = [torch.log_softmax(row_logits, dim=-1).gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1)
+                for row_logits, row_labels in zip(logits, labels)]
+        return torch.stack(rows)
     lead, V = logits.shape[:-1], logits.shape[-1]
     picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
     lse = _logsumexp_by_chunk(logits.reshape(-1, V)).view(*lead)
@@ -138,6 +143,17 @@ def actor_gspo_entropy(hidden, weight, sequences, action_mask, old_log_probs, ad
     return loss - entropy_loss * entropy_coef, entropy_loss.detach(), clip_ratio, ppo_kl
 
 
+def actor_model_dtype(hidden, weight, sequences, action_mask, old_log_probs, advantages, base_log_probs):
+    # An actor that passes the model's logits as they are (`output["logits"][:, :-1, :]`, no
+    # upcast, as OpenRLHF's Actor.forward did before it cast to fp32): a bf16 model takes the
+    # per-row loop.
+    logits = hidden @ weight.T
+    log_probs = log_probs_from_logits(logits[:, :-1, :], sequences[:, 1:])
+    action_log_probs = log_probs[:, -A:] * action_mask.float()
+    loss, clip_ratio, ppo_kl = policy_loss(action_log_probs, old_log_probs, advantages, action_mask)
+    return loss, clip_ratio, ppo_kl
+
+
 _LSE = [("logprob",), ("rowwise",) * n_chunks(B * S, LSE_CHUNK)]
 
 CASES = [
@@ -152,4 +168,10 @@ CASES = [
          actor_gspo_entropy, actor_inputs(22, 1.0, gspo=True),
          lp_and_entropy([("logprob",)], [("entropy",)], lse_loop_rows=n_chunks(B * S, LSE_CHUNK)),
          grad_kinds=("logprob", "entropy"), temperature=None),
+    Case("openrlhf_actor_model_dtype", "OpenRLHF",
+         "openrlhf/models/utils.py:log_probs_from_logits (the per-row loop for bf16, the fp32 branch); "
+         "an actor passing output['logits'][:, :-1, :] uncast; openrlhf/models/loss.py:PolicyLoss",
+         actor_model_dtype, actor_inputs(23, 1.0),
+         {"fp32": choices([("logprob",), ("rowwise",) * n_chunks(B * (S - 1), LSE_CHUNK)]),
+          "bf16": choices(one_or_each("logprob", B))}, temperature=None),
 ]
