@@ -12,6 +12,7 @@ gradient zero or not). What is not tile-able (`Categorical.entropy`'s clamp, cro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -265,12 +266,19 @@ def test_two_passes_keep_the_last_columns(case, keep, monkeypatch):
     assert calls == [(vocab - kept, width)]
 
 
+@pytest.fixture(scope="module")
+def bf16_ppo_program():
+    """The bf16 PPO program, compiled once for the sizing tests (each takes a shallow copy)."""
+    (program,) = _programs(_check(ppo, _batch(torch.bfloat16)))
+    return program
+
+
 @pytest.mark.parametrize("rows,hidden,vocab", [(2048, 1024, 32768), (16384, 2048, 248320), (4096, 256, 65536),
                                                (13, 8, 300), (1, 8, 300), (5000, 8, 300), (300, 64, 300)])
-def test_kept_columns_fit_the_front_of_the_weight_gradient(rows, hidden, vocab):
+def test_kept_columns_fit_the_front_of_the_weight_gradient(rows, hidden, vocab, bf16_ppo_program):
     """Kept dlogits fit the weight gradient's buffer (`_kept_fit`), the entries the tiles recompute
     are whole tiles, the tile width is the budget's or its half."""
-    (program,) = _programs(_check(ppo, _batch(torch.bfloat16)))
+    program = copy.copy(bf16_ppo_program)
     program.head = dataclasses.replace(program.head, hidden_size=hidden)
     kept, width = program.kept_columns(rows, vocab, 2)
     budget_width = program.tile_columns(rows, vocab, 2, upcast=False)
