@@ -25,6 +25,18 @@ def value_or_constant(x):
     return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
 
 
+def arange_args(node) -> tuple | None:
+    """(start, end, step) of an `aten.arange` node (any overload; ends may be symbolic), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and getattr(node.target, "overloadpacket", None) is torch.ops.aten.arange):
+        return None
+    args = list(node.args)
+    if len(args) == 1:
+        args = [0] + args
+    step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+    return args[0], args[1], step
+
+
 def target_name(node: torch.fx.Node) -> str:
     """What a node calls, as messages name it (`log_softmax.default`, `sum`)."""
     return getattr(node.target, "__name__", str(node.target))

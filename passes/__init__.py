@@ -16,6 +16,7 @@ PASS_NAMES = (
     "sink_row_slices_pass",  # slice(f(x)) -> f(slice(x)) for elementwise f: regions reach the logits
     "replace_hand_written_functions_pass",  # one-device log-prob Functions, backward checked -> their plain math
     "replace_vocab_parallel_functions_pass",  # Megatron/slime-style TP Functions -> the vocab-parallel op
+    "index_rows_as_gather_pass",  # x[arange(T), t] -> gather(x, -1, t): the regions read gathers
     "fold_row_loops_pass",  # stack/cat/buffer of f(x[i]) over a loop's rows -> f(x): one region
     "expose_row_reductions_pass",  # reduced losses, kl_div, full sums -> a sum over the vocabulary, then rows
     "tag_grad_flow_pass",  # node.meta: can a gradient from the outputs reach this node?

@@ -30,7 +30,7 @@ from graphpass._torch_api import set_grad_enabled
 from graphpass.analysis import rowlocal
 from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.rowlocal import ROW
-from graphpass.fx_utils import target_name, value_or_constant
+from graphpass.fx_utils import arange_args, target_name, value_or_constant
 
 aten = torch.ops.aten
 
@@ -258,13 +258,7 @@ def _in_float64(graph: torch.fx.Graph) -> None:
 
 def _is_row_arange(node, rows: int) -> bool:
     """`arange(rows)`: the row indices, as `x[arange(T), t]` pairs each row with its target."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
-        return False
-    if node.target is aten.arange.default:
-        return node.args[0] == rows
-    if node.target is aten.arange.start_step or node.target is aten.arange.start:
-        return node.args[0] == 0 and node.args[1] == rows and (len(node.args) < 3 or node.args[2] == 1)
-    return False
+    return arange_args(node) == (0, rows, 1)
 
 
 def _arange(graph, node, env, rows):

@@ -31,7 +31,7 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue, recognize, rowlocal
 from graphpass.analysis.recognize import PW, Exp, OutputLabel
-from graphpass.fx_utils import fake_value
+from graphpass.fx_utils import arange_args, fake_value
 
 aten = torch.ops.aten
 
@@ -248,25 +248,13 @@ def _row_indexed(n):
     if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
         return None
     rows, columns = indices
-    return (src, columns) if _arange(rows) == (0, shape[0], 1) else None
+    return (src, columns) if arange_args(rows) == (0, shape[0], 1) else None
 
 
 def _index(ev, n):
     """`x[arange(rows), local_index(t)]`: the target's logit where this rank owns it."""
     picked = _row_indexed(n)
     return None if picked is None else _owned_gather(ev, *picked)
-
-
-def _arange(node):
-    """(start, end, step) of an `arange` node, else None."""
-    if recognize.packet(node) is not aten.arange:
-        return None
-    args = list(node.args)
-    if len(args) == 1:
-        args = [0] + args
-    start, end = args[:2]
-    step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
-    return start, end, step
 
 
 def _gather(ev, n):
