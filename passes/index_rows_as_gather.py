@@ -90,19 +90,24 @@ def _is_arange_along(index, dim: int, lead) -> bool:
 
 def _replace(graph: torch.fx.Graph, node, target, fake_mode) -> None:
     x = node.args[0]
-    x_val = fake_value(x)
-    lead, vocab = x_val.shape[:-1], x_val.shape[-1]
-    with graph.inserting_before(node):
-        def add(op, *args, **kwargs):
-            return fake_node(graph, fake_mode, op, args, kwargs, like=node)
+    lead, vocab = fake_value(x).shape[:-1], fake_value(x).shape[-1]
+    # The target's wrap right after the target (an integer value, in no grad mode's way): a region
+    # reads its inputs from before its first op, and the pick may sit after a no_grad block's end.
+    after = target if target.op != "placeholder" else list(graph.find_nodes(op="placeholder"))[-1]
 
-        t = target
-        if fake_value(t).dtype != torch.int64:
-            t = add(aten._to_copy.default, t, dtype=torch.int64)
-        wrapped = add(aten.where.self, add(aten.lt.Scalar, t, 0), add(aten.add.Tensor, t, vocab), t)
-        if not same_shape(fake_value(wrapped).shape, lead):
-            wrapped = add(aten.expand.default, wrapped, list(lead))
-        picked = add(aten.gather.default, x, -1, add(aten.unsqueeze.default, wrapped, -1))
-        out = add(aten.squeeze.dim, picked, -1)
+    def add(op, *args, **kwargs):
+        nonlocal after
+        with graph.inserting_after(after):
+            after = fake_node(graph, fake_mode, op, args, kwargs, like=target)
+        return after
+
+    t = target if fake_value(target).dtype == torch.int64 else add(aten._to_copy.default, target, dtype=torch.int64)
+    wrapped = add(aten.where.self, add(aten.lt.Scalar, t, 0), add(aten.add.Tensor, t, vocab), t)
+    if not same_shape(fake_value(wrapped).shape, lead):
+        wrapped = add(aten.expand.default, wrapped, list(lead))
+    index = add(aten.unsqueeze.default, wrapped, -1)
+    with graph.inserting_before(node):
+        picked = fake_node(graph, fake_mode, aten.gather.default, (x, -1, index), like=node)
+        out = fake_node(graph, fake_mode, aten.squeeze.dim, (picked, -1), like=node)
     node.replace_all_uses_with(out)
     graph.erase_node(node)

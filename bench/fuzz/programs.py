@@ -64,6 +64,9 @@ LOGPROBS = {  # name: (lines, nan_safe)
     "softmax_log_gather": ([f"logp = torch.softmax(x, -1).log(){GATHER}"], False),
     "take_along_dim": (["lp = F.log_softmax(x, -1)",
                         "logp = torch.take_along_dim(lp, y.unsqueeze(-1), dim=-1).squeeze(-1)"], True),
+    # Each row's target picked by advanced indexing (`index_rows_as_gather`), on the rows flattened.
+    "arange_index": (["lp = torch.log_softmax(x, -1).reshape(-1, x.shape[-1])",
+                      "logp = lp[torch.arange(lp.shape[0]), y.reshape(-1)].view_as(y)"], True),
     # A log-softmax computed in place on a clone.
     "inplace_log_softmax": (["lp = x.clone()", "lp.sub_(x.amax(-1, keepdim=True))",
                              "lp.sub_(lp.exp().sum(-1, keepdim=True).log())", f"logp = lp{GATHER}"], True),
