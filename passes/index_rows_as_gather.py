@@ -15,7 +15,8 @@ Megatron's loss and hand-written log-probs pick each row's target logit this way
 gathers. Exact: every leading index must be `arange(0, d_i, 1)` varying along its own dim only (so
 entry `p` of the result is `x[p, t[p]]`), the last an integer tensor broadcasting to the leading
 shape. A negative target counts from the end, as indexing does (a gather would reject it); a target
-outside `[-V, V)` raises, as indexing does. Any other indexing is left as it is.
+outside `[-V, V)` raises, as indexing does. Any other indexing of a distribution is left as it is,
+the reason recorded.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import torch
 import torch.fx
 
 from graphpass._torch_api import detect_fake_mode, fake_node, same_shape, same_size
+from graphpass.analysis import catalogue
+from graphpass.analysis.regions import source_of
 from graphpass.fx_utils import arange_args, fake_value
+from graphpass.records import Rejection
 
 aten = torch.ops.aten
 
@@ -37,6 +41,9 @@ def index_rows_as_gather_pass(gm: torch.fx.GraphModule, example_inputs, *, confi
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.index.Tensor)):
         target = _row_target(node)
         if target is None:
+            if _reads_a_distribution(node.args[0]):  # what the region analysis will not see
+                record.rejected.append(Rejection(source_of(node), "indexing kept: it picks entries other than "
+                                                 "one per row, as x[arange(T), t] does"))
             continue
         _replace(gm.graph, node, target, detect_fake_mode([fake_value(node.args[0])]))
     gm.graph.eliminate_dead_code()
@@ -66,6 +73,20 @@ def _row_target(node) -> torch.fx.Node | None:
     if not same_shape(t_val.shape, lead) and not all(isinstance(d, int) for d in lead):
         return None  # expanding it would need symbolic sizes as nodes
     return target if same_shape(out_val.shape, lead) else None
+
+
+def _reads_a_distribution(x) -> bool:
+    """Whether `x` is computed from a softmax, log-softmax or log-sum-exp (through any ops)."""
+    seen, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in catalogue.NORMALISERS:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def _is_arange_along(index, dim: int, lead) -> bool:
