@@ -30,7 +30,7 @@ from fractions import Fraction
 # Exact fractions: a share of a floor is a whole number of bytes, rounded down.
 LOGITS_SHARE = Fraction(1, 64)
 # 1/5 (192-row blocks) took the fp32 PPO step at T=2048 H=1024 V=32768 to 1.19 x its floor, 1/8 to
-# 1.13 x at the same speed (0.90 x inductor's time, alternating A/B).
+# 1.13 x at about the same speed (0.90 and 0.98 x inductor's time in two alternating A/B runs).
 LM_HEAD_BACKWARD_SHARE = Fraction(1, 8)
 LM_HEAD_FORWARD_SHARE = Fraction(1)
 VOCAB_PARALLEL_LOGITS_SHARE = Fraction(1, 160)  # 1/96 left 1.11 x the floor per rank at T=1024 V=32768 TP=2
