@@ -44,13 +44,37 @@ def target_name(node: torch.fx.Node) -> str:
 
 def transitive_users(nodes) -> set:
     """Every node that reads one of `nodes`, directly or through others (a seed only when read)."""
+    return _reached(nodes, "users")
+
+
+def transitive_inputs(nodes) -> set:
+    """Every node one of `nodes` is computed from, directly or through others (a seed only when
+    another seed reads it)."""
+    return _reached(nodes, "all_input_nodes")
+
+
+def _reached(nodes, along: str) -> set:
     seen, todo = set(), list(nodes)
     while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
+        for n in getattr(todo.pop(), along):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
     return seen
+
+
+def derives_from(node: torch.fx.Node, predicate: Callable[[torch.fx.Node], bool]) -> bool:
+    """Whether `node`, or anything it is computed from, satisfies `predicate` (stops at the first)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if predicate(n):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def hashable(value, node_key: Callable = lambda node: node):

@@ -27,7 +27,7 @@ import torch.fx
 from graphpass._torch_api import detect_fake_mode, fake_node, same_shape, same_size
 from graphpass.analysis import catalogue
 from graphpass.analysis.regions import source_of
-from graphpass.fx_utils import arange_args, fake_value
+from graphpass.fx_utils import arange_args, derives_from, fake_value
 from graphpass.records import Rejection
 
 aten = torch.ops.aten
@@ -38,6 +38,7 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten.unsqueeze.default, at
 
 def index_rows_as_gather_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Each `aten.index.Tensor` that picks one entry per row of its last dim -> a gather."""
+    changed = False
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.index.Tensor)):
         target = _row_target(node)
         if target is None:
@@ -46,8 +47,10 @@ def index_rows_as_gather_pass(gm: torch.fx.GraphModule, example_inputs, *, confi
                                                  "one per row, as x[arange(T), t] does"))
             continue
         _replace(gm.graph, node, target, detect_fake_mode([fake_value(node.args[0])]))
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+        changed = True
+    if changed:  # the aranges the picks read are dead now
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
     return gm
 
 
@@ -77,16 +80,8 @@ def _row_target(node) -> torch.fx.Node | None:
 
 def _reads_a_distribution(x) -> bool:
     """Whether `x` is computed from a softmax, log-softmax or log-sum-exp (through any ops)."""
-    seen, todo = set(), [x]
-    while todo:
-        n = todo.pop()
-        if n in seen or not isinstance(n, torch.fx.Node):
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target in catalogue.NORMALISERS:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+    return isinstance(x, torch.fx.Node) and derives_from(
+        x, lambda n: n.op == "call_function" and n.target in catalogue.NORMALISERS)
 
 
 def _is_arange_along(index, dim: int, lead) -> bool:
@@ -112,8 +107,9 @@ def _is_arange_along(index, dim: int, lead) -> bool:
 def _replace(graph: torch.fx.Graph, node, target, fake_mode) -> None:
     x = node.args[0]
     lead, vocab = fake_value(x).shape[:-1], fake_value(x).shape[-1]
-    # The target's wrap right after the target (an integer value, in no grad mode's way): a region
-    # reads its inputs from before its first op, and the pick may sit after a no_grad block's end.
+    # The target's wrap goes right after the target, not before the pick: the region built around
+    # the pick starts at its first op (the log-softmax, say, before a no_grad block the pick follows)
+    # and its inputs must exist there. An integer value, the wrap does not care about grad mode.
     after = target if target.op != "placeholder" else list(graph.find_nodes(op="placeholder"))[-1]
 
     def add(op, *args, **kwargs):

@@ -21,7 +21,7 @@ import torch
 from graphpass._torch_api import is_aten_overload, known_equal, schema_of
 from graphpass.analysis import catalogue
 from graphpass.analysis.layouts import Role
-from graphpass.fx_utils import target_name, value_or_constant
+from graphpass.fx_utils import derives_from, target_name, value_or_constant
 
 aten = torch.ops.aten
 
@@ -99,16 +99,7 @@ def data_inputs(node) -> list:
 def derives_from_reduction(node) -> bool:
     """True if `node` or anything it is computed from reduces over a dim or gathers: a per-token
     value, never logits."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and (n.target in ANCHORS or n.target in TOKEN_ID_OPS):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
+    return derives_from(node, lambda n: n.op == "call_function" and (n.target in ANCHORS or n.target in TOKEN_ID_OPS))
 
 
 def is_pointwise(target) -> bool:

@@ -31,7 +31,7 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue, recognize, rowlocal
 from graphpass.analysis.recognize import PW, Exp, OutputLabel
-from graphpass.fx_utils import arange_args, fake_value
+from graphpass.fx_utils import arange_args, fake_value, transitive_inputs, transitive_users
 
 aten = torch.ops.aten
 
@@ -445,7 +445,7 @@ def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch |
     group_name, sums = group
     if not sums:
         return NO_LOGPROB
-    below, above = _closure(sums, "users"), _closure(sums, "all_input_nodes")
+    below, above = transitive_users(sums), transitive_inputs(sums)
     reason = NO_LOGPROB
     for logits in [n for n in gm.graph.nodes if n in above and _is_wide(n)]:
         ev = _evaluator(gm, logits, group_name, rank_and_size)
@@ -469,7 +469,7 @@ def values_without_gradient(gm: torch.fx.GraphModule, match: VocabParallelMatch,
     gradient (detached, or computed under no_grad): where there are any, the code's gradient is not
     the gradient of its values, and the op cannot stand in for it."""
     ev = _evaluator(gm, match.logits, match.group_name, rank_and_size)
-    between = (_closure(match.nodes, "all_input_nodes") | set(match.nodes)) & _closure([match.logits], "users")
+    between = (transitive_inputs(match.nodes) | set(match.nodes)) & transitive_users([match.logits])
     return [n for n in gm.graph.nodes if n in between and _has_statistic(ev(n)) and not requires.get(n, False)]
 
 
@@ -488,18 +488,6 @@ def _labelled(ev, node) -> bool:
         return recognize.classify(ev(node)).kind != recognize.ROWWISE
     except Exception:  # noqa: BLE001 - a node the evaluator cannot read is simply not labelled
         return False
-
-
-def _closure(nodes, direction: str) -> set:
-    """The nodes reached from `nodes` (not themselves) along `direction`: "all_input_nodes"
-    (ancestors) or "users" (descendants)."""
-    seen, todo = set(), list(nodes)
-    while todo:
-        for n in getattr(todo.pop(), direction):
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen
 
 
 # ---- the loss math after the op, per token ---------------------------------------------------------
@@ -555,7 +543,7 @@ def match_token_loss(op: torch.fx.Node, items: list, entropy_grad: bool, modes, 
     if len(outputs) == 1:
         graph.placeholder("entropy")
     sides, per_row = [], []
-    from_op = _closure([op], "users")
+    from_op = transitive_users([op])
 
     def per_token(val) -> bool:
         return isinstance(val, torch.Tensor) and _torch_api.known_equal(val.numel(), rows)
