@@ -40,11 +40,14 @@ from bench.fuzz.programs import Program, generate, random_draw
 # 1.02x and 1.10x the bound under 1e-2; fp32 programs, same structures, stay at 1e-5).
 # Known, seeds 9000..10999 (python -m bench.fuzz -n 2000 --seed 9000, 2 mismatches):
 # - seed 10025 (fp32) exceeds the bound, 2.95e-6 against 4.2e-7. A confident token (p = 0.9988)
-#   has the gradient g (1 - p); eager and the op both compute it as g - exp(lsm) g with the row sum
-#   rounded near 1, so 1 - p is known to ulp(1) / (1 - p) only: eager's error there was 1.5e-6 of it
-#   by chance, the op's 1.2e-4 (over 4096 such rows the op is the closer to float64: 1.05 ulps of p
-#   mean against eager's 1.48). Keeping the sum of the other terms apart (log1p of it) would remove
-#   the cancellation for both.
+#   has the gradient g (1 - p), and 1 - p carries the row sum's rounding times 1 / (1 - p) = 850.
+#   Eager's fused log_softmax kernel rounds that row's s = sum(exp(x - m)) to the nearest float
+#   (1.00118065); the op's decomposed sum(exp(x - m)) lands one ulp below it (1.00118053), 1.0e-4
+#   of 1 - p; eager's final exp then happens to round to 1.7e-6 of it, where a float32 p holds
+#   1 - p to 2.5e-5 only. With the logits moved by one ulp (6 draws), eager's error was 1e-8..6e-8
+#   on five and 2.4e-6 on one, the op's 2.9e-6 on all. Keeping the sum of the other terms apart
+#   (log1p of it) would remove the cancellation for both (over 4096 such rows the op is the closer
+#   to float64: 1.05 ulps of p mean against eager's 1.48).
 # - seed 10323 (bf16): the temperature's gradient, 1.4 x the bound, in a program whose PPO ratio
 #   reaches 1e5: eager's own loss is 10 % off float64 and its temperature gradient 4.6 %, the op's 17 %.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-5}
