@@ -1,6 +1,6 @@
 """Shared pytest setup: `bench` and `examples` importable from the checkout (graphpass itself must be
 installed, `pip install -e .`: `graphpass.passes` exists only installed), fresh Dynamo state per test,
-the `slow` marker."""
+the `slow` and `heavy` markers."""
 
 from __future__ import annotations
 
@@ -20,9 +20,14 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running (full dtype/layout grid, inductor); needs --runslow")
+    config.addinivalue_line("markers", "heavy: a module that takes a minute or more; it runs before the others")
 
 
 def pytest_collection_modifyitems(config, items):
+    # xdist (--dist loadscope) hands whole modules to workers in this order, the next to whichever
+    # finishes first: long modules first and short ones last, so that no worker is left running a
+    # long module alone at the end. A stable sort: modules stay whole and in order otherwise.
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
     if config.getoption("--runslow") or os.environ.get("GRAPHPASS_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow or GRAPHPASS_SLOW=1")

@@ -18,6 +18,8 @@ import pytest
 from corpus import CASES  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 from corpus._harness import run_case
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 LIBRARIES = {"verl", "OpenRLHF", "trl", "SkyRL", "open-instruct", "torchtune", "slime", "NeMo-RL", "AReaL",
              "ROLL", "prime-rl"}
 

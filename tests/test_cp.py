@@ -25,6 +25,8 @@ from bench.harness.ranks import RankFailed, collectives, run_ranks
 from graphpass import cp
 import spawned  # tests/ is on sys.path
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 LENS = {2: [9, 3, 14, 2, 7], 4: [9, 3, 14, 2, 7, 5]}
 VOCAB = 11
 TOL = 1e-10

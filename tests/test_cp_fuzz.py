@@ -25,6 +25,8 @@ from bench.workloads import cp_losses
 from bench.harness.ranks import run_ranks
 from graphpass import cp
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 ROW_OPS = ("exp_ratio", "times_adv", "clamp", "where_mask", "square", "neg", "plus_second", "pair_sum", "over_len",
            "detach_mix")
 REDUCTIONS = ("sum", "mean", "index_add", "scatter_add", "masked_mean", "sum_dtype", "split_means", "slice_sum")

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import graphpass
 from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 T, H, V = 29, 8, 37
 CLIP = 0.2
 

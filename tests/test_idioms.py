@@ -15,6 +15,8 @@ import torch
 import graphpass
 import idioms  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 IDIOMS = idioms.IDIOMS
 
 V = 37

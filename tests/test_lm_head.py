@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import graphpass
 from graphpass.ops import lm_head as lm_head_op
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 T, H, V = 13, 8, 37
 
 

@@ -27,6 +27,8 @@ from graphpass.ops.lm_head import LinearHeadProgram
 from graphpass.ops.joint import NotTileable, on_column_tile
 from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 T, H, V = 13, 8, 300
 # A small budget: tiles of 256 columns (the least), so V=300 makes two, the second of 44.
 OPTIONS = dict(chunk_size=4, chunk_budget_bytes=4096, inner="aot_eager")
@@ -236,15 +238,15 @@ def _tile_passes(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("keep", [pytest.param(True, id="kept"), pytest.param(False, id="all-tiles")])
-@pytest.mark.parametrize("case", ["ppo", "bias", "tied", "blocks", "inductor", "pieces"])
-def test_two_passes_keep_the_last_columns(case, keep, monkeypatch):
+# The inner compiler only compiles the passes: `test_inductor_kernels_on_tiles` runs them with inductor.
+@pytest.mark.parametrize("case", ["ppo", "bias", "tied", "blocks", "pieces"])
+def test_two_passes_keep_the_last_columns(case, monkeypatch):
     """bf16 in forward: the first pass keeps the last entries' dlogits in the weight gradient's
     buffer, the second multiplies them first, then recomputes the other entries' logits in whole
     tiles (V=600: 88 kept in one piece, two tiles of 256; with pieces of 16 entries, 344 kept in
     22, one tile); with `keep_columns` off the tiles cover the vocabulary (256, 256, 88). Row
-    blocks of 4 (chunks) or 3 rows (`blocks`: the budget's)."""
-    monkeypatch.setattr(LinearHeadProgram, "keep_columns", keep)
+    blocks of 4 (chunks) or 3 rows (`blocks`: the budget's). One compile serves both settings:
+    the backward reads `keep_columns` when it runs."""
     if case == "pieces":
         monkeypatch.setattr(lm_head, "_KEPT_PIECE", 16)
     calls = _tile_passes(monkeypatch)
@@ -257,13 +259,17 @@ def test_two_passes_keep_the_last_columns(case, keep, monkeypatch):
         tensors[0] = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(3))
     elif case == "blocks":
         options = dict(chunk_size=None)
-    elif case == "inductor":
-        options = dict(inner="inductor")
-    (program,) = _programs(_check(fn, tensors, **options))
-    assert _schedule(program) == "two passes"
-    kept, width = program.kept_columns(T, vocab, 2)
-    assert (kept, width) == (((344 if case == "pieces" else 88), 256) if keep else (0, 256))
-    assert calls == [(vocab - kept, width)]
+    backend = graphpass.Backend(**{**OPTIONS, **options})
+    compiled = torch.compile(fn, backend=backend)
+    for keep in (True, False):
+        monkeypatch.setattr(LinearHeadProgram, "keep_columns", keep)
+        calls.clear()
+        _check(fn, _clone(tensors), compile_fn=lambda f: compiled)
+        (program,) = _programs(backend.records)
+        assert _schedule(program) == "two passes"
+        kept, width = program.kept_columns(T, vocab, 2)
+        assert (kept, width) == (((344 if case == "pieces" else 88), 256) if keep else (0, 256))
+        assert calls == [(vocab - kept, width)], keep
 
 
 @pytest.fixture(scope="module")

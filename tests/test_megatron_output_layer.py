@@ -32,6 +32,8 @@ from bench.tp import _profiled
 from bench.workloads.tp_losses import slime_style_logprob_entropy
 from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 S, B, H, WIDTH, WORLD = 8, 2, 16, 20, 2  # sequence, batch, hidden size, V/tp, tp
 TEMPERATURE = 0.7
 

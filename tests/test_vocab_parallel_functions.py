@@ -25,6 +25,8 @@ from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
 from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 T = 24
 WIDTH = {1: 48, 2: 24, 4: 12}  # V/tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 2e-2}

@@ -29,6 +29,8 @@ import spawned  # tests/ is on sys.path
 from bench.tp import _profiled
 from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
 
+pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
+
 T, WIDTH, H, WORLD = 24, 20, 16, 2  # tokens, V/tp, hidden size, tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 3e-2}
 
