@@ -46,8 +46,9 @@ from bench.fuzz.programs import Program, generate, random_draw
 #   of 1 - p; eager's final exp then happens to round to 1.7e-6 of it, where a float32 p holds
 #   1 - p to 2.5e-5 only. With the logits moved by one ulp (6 draws), eager's error was 1e-8..6e-8
 #   on five and 2.4e-6 on one, the op's 2.9e-6 on all. Keeping the sum of the other terms apart
-#   (log1p of it) would remove the cancellation for both (over 4096 such rows the op is the closer
-#   to float64: 1.05 ulps of p mean against eager's 1.48).
+#   (log1p of it) would remove the row sum's share of the error, not p's own rounding, so it would
+#   not make this seed pass for certain (over 4096 such rows the op is the closer to float64:
+#   1.05 ulps of p mean against eager's 1.48).
 # - seed 10323 (bf16): the temperature's gradient, 1.4 x the bound, in a program whose PPO ratio
 #   reaches 1e5: eager's own loss is 10 % off float64 and its temperature gradient 4.6 %, the op's 17 %.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-5}
