@@ -1,8 +1,9 @@
 """The lm_head's gradients over vocabulary tiles (`graphpass.ops.lm_head`, `JointSplit.column_tile`).
 
 Every schedule against eager and float64, values and every input's gradient: the recomputing
-backward over tiles (`dW` complete per tile, `dhidden` accumulated), gradients in forward in two
-passes for a bf16 weight (row blocks for `dhidden`, then tiles for `dW`) and in one for fp32; a
+backward over tiles for fp32 (`dW` complete per tile, `dhidden` accumulated), in two passes for a
+bf16 weight on the CPU (row blocks for `dhidden`, then tiles for `dW`: no fp32 product), gradients
+in forward in two passes for a bf16 weight and in one for fp32; a
 vocabulary of 300 is a tile of 256 and one of 44. Bias, an `[H, V]` weight, tied embeddings,
 vocabulary and per-token masks, temperature, a loss outside the compiled function (entropy
 gradient zero or not). What is not tile-able (`Categorical.entropy`'s clamp, cross-entropy's
@@ -142,11 +143,11 @@ def _programs(records):
 
 
 def _schedule(program) -> str:
-    """What ran: "tiles" (backward), "two passes" or "rows" (row blocks only)."""
+    """What ran: "tiles" (backward), "two passes" (row blocks, then tiles) or "rows" (row blocks only)."""
     kinds = {k[0] for k in program._gradient_kernels}
     if "column_tile" not in kinds:
         return "rows"
-    return "two passes" if "fused" in kinds else "tiles"
+    return "two passes" if kinds & {"fused", "backward"} else "tiles"
 
 
 @pytest.fixture(autouse=True)
@@ -161,9 +162,9 @@ MODES = [pytest.param(True, id="in-forward"), pytest.param(False, id="recomputed
 
 
 def _expected(dtype, in_forward):
-    if not in_forward:
-        return "tiles"
-    return "two passes" if dtype == torch.bfloat16 else "rows"  # fp32: its accumulator is its gradient
+    if dtype == torch.bfloat16:  # on the CPU: one pass would accumulate a gradient from fp32 copies
+        return "two passes"
+    return "rows" if in_forward else "tiles"  # fp32 in forward: its accumulator is its gradient
 
 
 @pytest.mark.parametrize("in_forward", MODES)
@@ -212,7 +213,7 @@ def test_loss_outside_the_compiled_function(dtype, ent_coef):
     records = _check(loss(helper), _batch(dtype), compile_fn=lambda f: loss(torch.compile(helper, backend=backend)))
     assert not records and backend.records  # the records are the helper's
     (program,) = _programs(backend.records)
-    assert _schedule(program) == "tiles"
+    assert _schedule(program) == _expected(dtype, in_forward=False)
     active = {k[1] for k in program._gradient_kernels if k[0] == "column_tile"}
     assert active == ({(0, 1)} if ent_coef else {(0,)})
 
@@ -340,6 +341,27 @@ def test_rows_where_tiles_do_not_pay_or_apply():
     assert "another input" in program._tiles_reason(T, V, (0, 1), needs_grad)
     needs_grad[head.weight] = False
     assert "needs no gradient" in program._tiles_reason(T, V, (0, 1), needs_grad)
+
+
+def test_bf16_backward_takes_two_passes_where_one_would_accumulate(monkeypatch):
+    """bf16, recomputed, on the CPU: where one pass would accumulate a gradient over blocks or
+    tiles (the hidden states' over tiles; another region input's with the weight's over blocks;
+    more rows than vocabulary entries), row blocks for every gradient but the weight's, then tiles
+    for the weight's, and no product from fp32 copies (`devices.mm_into`); a frozen weight keeps
+    the row blocks, where nothing accumulates in fp32."""
+    products = []
+    monkeypatch.setattr(lm_head.devices, "mm_into", lambda *args, **kwargs: products.append(args))
+    frozen = _batch(torch.bfloat16)
+    frozen[1].requires_grad_(False)
+    scale = _batch(torch.bfloat16) + [torch.rand(V, generator=torch.Generator().manual_seed(5)).add(0.5).requires_grad_()]
+    cases = (("two passes", ppo, _batch(torch.bfloat16)), ("two passes", scaled, scale),
+             ("two passes", ppo, _batch(torch.bfloat16, rows=40, vocab=32)), ("rows", ppo, frozen))
+    for expected, fn, tensors in cases:
+        torch.compiler.reset()
+        chunked_op._PROGRAMS.clear()
+        (program,) = _programs(_check(fn, tensors, gradients_in_forward=False))
+        assert _schedule(program) == expected
+    assert not products
 
 
 @pytest.mark.parametrize("in_forward", MODES)

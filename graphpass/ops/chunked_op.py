@@ -360,10 +360,12 @@ class RegionProgram:
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
         kernel = self._get_gradient_kernel("backward", active, wanted)  # first: it tells its temporaries
         chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
-        sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
+        row_values = [*saved, *flat_grad_outputs]
+        sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk,
+                                                    backward=(active, row_values))
         for sl, args in self._chunks(tensors, rows, blocks, chunk):
-            chunk_sums = kernel(*self._kernel_args(tensors, args, sl, sinks), *[s[sl] for s in saved],
-                                *[g[sl] for g in flat_grad_outputs], *[sink.slot(sl) for sink in sinks])
+            chunk_sums = kernel(*self._kernel_args(tensors, args, sl, sinks), *[v[sl] for v in row_values],
+                                *[sink.slot(sl) for sink in sinks])
             for sink in sinks:
                 sink.take(sl, args)
             for (_, total), g in zip(totals, chunk_sums):
@@ -379,13 +381,14 @@ class RegionProgram:
         return tuple(i for i, (spec, g) in enumerate(zip(self.outputs, grad_outputs))
                      if spec.keeps_grad and not devices.known_zero(g))
 
-    def _gradient_destinations(self, tensors, needs_grad, wanted, rows, vocab, chunk):
+    def _gradient_destinations(self, tensors, needs_grad, wanted, rows, vocab, chunk, backward=None):
         """Where the backward kernel's gradients of the `wanted` inputs go: per-row inputs get theirs
         written in place, chunk by chunk (sinks: one buffer of their dtype, see `_GradBuffer`); a
         broadcast input's is a sum over chunks, `(position, total)`, in fp32 at least (a float64
-        input sums in float64)."""
+        input sums in float64). `backward`: in the backward, (its active outputs, the row values
+        its kernel reads: the saved statistics, then the active outputs' gradients, `[rows, ...]`)."""
         in_place = [i for i in wanted if self.inputs[i].role in (WIDE, ROW)]
-        sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk) for i in in_place]
+        sinks = [self._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk, backward) for i in in_place]
         totals = [(i, torch.zeros(self._canonical(tensors[i], self.inputs[i], rows).shape,
                                   dtype=torch.promote_types(tensors[i].dtype, torch.float32), device=tensors[i].device))
                   for i in wanted if i not in in_place]
@@ -416,8 +419,9 @@ class RegionProgram:
         """The kernel inputs whose gradient the backward kernel computes."""
         return tuple(i for i, need in enumerate(needs_grad) if need)
 
-    def _gradient_sink(self, i, tensors, needs_grad, rows, vocab, chunk):
-        """Where the backward kernel writes kernel input `i`'s per-row gradient."""
+    def _gradient_sink(self, i, tensors, needs_grad, rows, vocab, chunk, backward=None):
+        """Where the backward kernel writes kernel input `i`'s per-row gradient (`backward`: as in
+        `_gradient_destinations`)."""
         return _GradBuffer(i, tensors[i], rows)
 
     def _get_gradient_kernel(self, kind: str, active, wanted):

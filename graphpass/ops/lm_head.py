@@ -24,7 +24,10 @@ wide value is and where its gradient goes, and adds one schedule of its own, ove
 
 Which gradient accumulates is chosen by shapes: the backward (a loss outside the op) takes tiles
 when the weight needs a gradient, no other input does and rows <= V (the hidden states'
-accumulator is the smaller); else row blocks. Where the loss is one sum of per-token terms the
+accumulator is the smaller); else row blocks. On the CPU, for a weight narrower than fp32, it
+takes both instead where one would accumulate (row blocks for every gradient but the weight's,
+then tiles for the weight's): the CPU's mm has no fp32 output for bf16 operands, and a product of
+fp32 copies ran 9 x slower than the bf16 one here. Where the loss is one sum of per-token terms the
 op computes the gradients in its forward (`RegionProgram.forward_with_gradients`): one pass over
 row blocks, three GEMMs. For a weight narrower than fp32 its fp32 accumulator would be twice its
 gradient, so that forward makes two passes instead (no accumulator): row blocks for `dhidden`
@@ -104,7 +107,7 @@ class LinearHeadProgram(RegionProgram):
         within the budget (`_budget`)."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
-        per_row = vocab * self._bytes_per_element(grad_itemsize, backward, self._weight_upcast(grad_itemsize))
+        per_row = vocab * self._bytes_per_element(grad_itemsize, backward, self._weight_upcast(rows, vocab, grad_itemsize))
         block = chunk_sizes.fitting(self._budget(rows, vocab, grad_itemsize, backward), per_row, rows)
         return block - block % chunk_sizes.PANEL_ROWS if block >= 2 * chunk_sizes.PANEL_ROWS else block
 
@@ -144,10 +147,16 @@ class LinearHeadProgram(RegionProgram):
             best = max(best, (max(0, vocab - recomputed), w))
         return best
 
-    def _weight_upcast(self, itemsize: int) -> bool:
+    def _weight_upcast(self, rows: int, vocab: int, itemsize: int) -> bool:
         """Whether a block's weight-gradient product is computed from fp32 copies: on the CPU, for
-        a weight narrower than fp32 whose gradient accumulates over row blocks."""
-        return itemsize < 4 and not self._saving_wanted and devices.host_reads_are_free(self.device)
+        a weight narrower than fp32 whose gradient accumulates over row blocks (neither pass of
+        two, in forward or in backward, accumulates it)."""
+        return (itemsize < 4 and not self._saving_wanted and devices.host_reads_are_free(self.device)
+                and not self._backward_in_two_passes(rows, vocab, itemsize, self._gradient_outputs()))
+
+    def _gradient_outputs(self) -> tuple[int, ...]:
+        """The outputs that can carry a gradient: the backward's active ones when all do."""
+        return tuple(j for j, spec in enumerate(self.outputs) if spec.keeps_grad)
 
     def _bytes_per_element(self, itemsize: int, backward: bool, upcast: bool) -> float:
         """Temporary bytes per element of a block (or tile) of `[rows, V]`: the logits (a frozen
@@ -166,20 +175,25 @@ class LinearHeadProgram(RegionProgram):
         """Transient bytes while the op runs, beyond its inputs, outputs and the gradients it returns,
         in the schedule it takes when the head's operands, and nothing else, need gradients: a
         block's logits (in backward on the CPU also their fp32 copy and a narrower weight's fp32
-        accumulator), or a tile's (and the hidden states' accumulator)."""
+        accumulator), or a tile's (and the hidden states' accumulator), or in two passes the larger
+        of a block's and a tile's (and a saving kernel's row values)."""
         block = self.block_rows(rows, vocab, grad_itemsize, backward)
-        upcast = backward and self._weight_upcast(grad_itemsize)
+        upcast = backward and self._weight_upcast(rows, vocab, grad_itemsize)
         blocks = int(block * vocab * self._bytes_per_element(grad_itemsize, backward, upcast))
         if not backward:
             return blocks
-        if self._saving_wanted:  # row blocks, then tiles; the row values in between
+        active = self._gradient_outputs()
+        two_passes = bool(self._saving_wanted) or (
+            not self._fused and active and self._backward_in_two_passes(rows, vocab, grad_itemsize, active))
+        if two_passes:  # row blocks, then tiles
             width = self.tile_columns(rows, vocab, grad_itemsize, upcast=False)
             tile = int(rows * width * self._bytes_per_element(grad_itemsize, True, False))
+            if not self._saving_wanted:  # the backward's row values are saved already
+                return max(blocks, tile)
             carried = self.split.carried(self.total_positions, (self.head.position,))
             return max(blocks, tile) + rows * 4 * (len(self.split.saved) + len(carried)
                                                    + sum(o.width for o in self.outputs))
         narrow = grad_itemsize < 4
-        active = tuple(j for j, spec in enumerate(self.outputs) if spec.keeps_grad)
         if self._fused or not active or self._tiles_reason(rows, vocab, active) is not None:
             return blocks + (vocab * self.head.hidden_size * 4 if narrow else 0)
         upcast = narrow and devices.host_reads_are_free(self.device)
@@ -226,12 +240,17 @@ class LinearHeadProgram(RegionProgram):
             wanted.append(head.position)
         return tuple(sorted(wanted))
 
-    def _gradient_sink(self, i, tensors, needs_grad, rows, vocab, chunk):
+    def _gradient_sink(self, i, tensors, needs_grad, rows, vocab, chunk, backward=None):
         if i != self.head.position:
-            return super()._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk)
-        block = self.block_rows(rows, vocab, tensors[self.head.weight].element_size())
-        saving = self._kernel_wanted(needs_grad) in self._saving_wanted
-        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block, saving)
+            return super()._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk, backward)
+        itemsize = tensors[self.head.weight].element_size()
+        block = self.block_rows(rows, vocab, itemsize)
+        tiles = None  # the weight's gradient accumulates over the row blocks
+        if backward is None and self._kernel_wanted(needs_grad) in self._saving_wanted:
+            tiles = (self.total_positions, None)  # a saving kernel writes the row values
+        elif backward is not None and self._backward_in_two_passes(rows, vocab, itemsize, backward[0], needs_grad):
+            tiles = backward
+        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block, tiles)
 
     # ---- vocabulary tiles ----------------------------------------------------------------
     def prepare_gradients_in_forward(self, needs_grad) -> None:
@@ -281,13 +300,36 @@ class LinearHeadProgram(RegionProgram):
             return "its backward sums along the vocabulary, which a tile reads from a pass over row blocks"
         return why
 
+    def _backward_in_two_passes(self, rows: int, vocab: int, itemsize: int, active, needs_grad=None) -> bool:
+        """Whether the backward takes two passes, as the forward does for gradients of a narrower
+        weight (module doc): row blocks for every gradient but the weight's, then vocabulary tiles for
+        the weight's, both complete in the weight's dtype. On the CPU, for a weight narrower than
+        fp32, where one pass would accumulate a gradient over blocks or tiles: the CPU's mm has no
+        fp32 output for bf16 operands, so `devices.mm_into` multiplies fp32 copies, and a
+        `[2048, 4096] @ [4096, 1024]` product took 70 ms in fp32 against 7.8 ms in bf16 here (AMX):
+        the bf16 loss-outside step at T=2048, H=1024, V=32768 ran 1.5 x inductor's time in one
+        pass, 0.87 x in two (`bench.lm_head --workloads ppo_outside --dtypes bf16 --ab`). Without
+        `needs_grad`: as when the head's operands, and nothing else, need gradients."""
+        head = self.head
+        if itemsize >= 4 or not devices.host_reads_are_free(self.device):
+            return False
+        if needs_grad is not None and not needs_grad[head.weight]:
+            return False
+        if self._tile_kernel(active) is not None or self.split.carried(active, (head.position,)):
+            return False  # the tiles cannot give the weight's gradient alone
+        one_pass_accumulates = (rows > vocab or needs_grad is None or needs_grad[head.position]
+                                or self._kernel_wanted(needs_grad) != (head.position,))
+        return one_pass_accumulates
+
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """The base's row blocks, or vocabulary tiles where `_tiles_reason` allows: `dW` complete
-        tile by tile, `dhidden` accumulated (in fp32 for a narrower dtype)."""
+        tile by tile, `dhidden` accumulated (in fp32 for a narrower dtype); or both, one after the
+        other (`_backward_in_two_passes`)."""
         active = self._active_outputs(grad_outputs)
         rows, vocab, _ = self._layout(tensors)
-        if not active or self._tiles_reason(rows, vocab, active, needs_grad) is not None:
-            return super().backward(tensors, saved, needs_grad, grad_outputs)
+        if (not active or self._tiles_reason(rows, vocab, active, needs_grad) is not None
+                or self._backward_in_two_passes(rows, vocab, tensors[self.head.weight].element_size(), active, needs_grad)):
+            return super().backward(tensors, saved, needs_grad, grad_outputs)  # row blocks (two passes: then tiles)
         head = self.head
         hidden, weight = tensors[head.position], tensors[head.weight]
         grads = [None] * len(tensors)
@@ -410,10 +452,11 @@ class _HeadGradients:
     the kernel, per chunk within it (a block unless `chunk_size` is set), overwrites the chunk's
     logits with their dlogits; then, with the block's dlogits complete,
     `dhidden[block] = dlogits @ W` in place and `dW += dlogits.T @ hidden[block]`,
-    `db += dlogits.sum(0)` into fp32 accumulators; or, after a saving kernel, `dW` over
-    vocabulary tiles once every block ran (`LinearHeadProgram._tile_pass`)."""
+    `db += dlogits.sum(0)` into fp32 accumulators; or, with `tiles`, `dW` over vocabulary tiles
+    once every block ran (`LinearHeadProgram._tile_pass`). `tiles`: (the active outputs, the row
+    values the tile kernel reads, or None where a saving kernel writes them block by block)."""
 
-    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block, saving=False):
+    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block, tiles=None):
         head = self.head = program.head
         self.program, self.tensors = program, tensors
         hidden, weight = tensors[head.position], tensors[head.weight]
@@ -432,9 +475,10 @@ class _HeadGradients:
         self.acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         # A saving kernel (`LinearHeadProgram.prepare_gradients_in_forward`) writes each row's
         # statistics and the outputs' gradients here; then `finish` computes the weight's gradient
-        # over vocabulary tiles, with no accumulator.
-        self.row_values = []
-        if saving:
+        # over vocabulary tiles, with no accumulator. In backward they exist already.
+        self.tile_active, self.row_values = tiles or ((), None)
+        self.written_row_values = []
+        if tiles is not None and self.row_values is None:
             device = hidden.device
             self.row_values = [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device)
                                for spec in program.split.saved]
@@ -442,7 +486,8 @@ class _HeadGradients:
                                             device=device) for j in program.total_positions]
             self.row_values += [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device)
                                 for spec in program.split.carried(program.total_positions, (head.position,))]
-        self.weight_by_tiles = saving and needs_grad[head.weight]
+            self.written_row_values = self.row_values
+        self.weight_by_tiles = tiles is not None and needs_grad[head.weight]
         # With kept columns (`LinearHeadProgram.kept_columns`) the weight's gradient exists from
         # the start: its front holds the kept dlogits.
         self.weight_grad = self.kept = None
@@ -452,7 +497,7 @@ class _HeadGradients:
             self.weight_grad = empty_gradient(weight)
             self.kept_from = vocab - kept
             self.kept = _KeptColumns(self.weight_grad, rows, vocab, kept)
-        if needs_grad[head.weight] and not saving:
+        if needs_grad[head.weight] and not self.weight_by_tiles:
             # Written by the first block's product, accumulated into by the others.
             self.weight_acc = torch.empty(weight.shape, dtype=self.acc_dtype, device=weight.device)
         if head.bias is not None and needs_grad[head.bias]:
@@ -479,7 +524,7 @@ class _HeadGradients:
 
     def row_value_slots(self, sl) -> list:
         """Where a saving kernel writes the chunk's row values (none for another kernel)."""
-        return [v[sl] for v in self.row_values]
+        return [v[sl] for v in self.written_row_values]
 
     def take(self, sl, args):
         """Nothing to do: the kernel wrote the chunk's dlogits over its logits."""
@@ -524,7 +569,7 @@ class _HeadGradients:
                 self.kept.multiply(self.hidden, weight_grad)
                 self.kept = self.weight_grad = None
             grads[head.weight] = weight_grad
-            self.program._tile_pass(self.tensors, self.program.total_positions, self.row_values, weight_grad,
+            self.program._tile_pass(self.tensors, self.tile_active, self.row_values, weight_grad,
                                     stop=self.kept_from, width=self.tile_width)
         if self.hidden_grad is not None:
             grads[head.position] = self.hidden_grad
