@@ -5,7 +5,8 @@ rows, the gradient kernel over them in place, `dW[tile]` complete in one GEMM an
 Checked against autograd of the plain math in float64 (<= 1e-10): several tiles with a ragged last
 one, bias, temperature, ignore_index, the entropy with and without its gradient, a frozen hidden
 state; which path ran (tiles where the weight needs a gradient, the row blocks otherwise, whose
-chunks' gradients now overwrite their logits); fp32 and bf16 against the logits-given op. The
+chunks' gradients now overwrite their logits; for bf16 row chunks for `dh` first, then tiles for
+`dW`); fp32 and bf16 against the logits-given op. The
 collectives are unchanged (one all-gather in forward, none in backward): the TP tests
 (`test_vocab_parallel_lm_head.py`, `test_megatron_output_layer.py`'s "recompute" cases) run these
 paths on 2 gloo ranks against one device and eager megatron-core.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from graphpass.ops import vocab_parallel_lm_head as vp
+from graphpass.ops.groups import group_name
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
 
 ROWS, H, V = 11, 6, 37
@@ -119,12 +121,23 @@ def test_a_frozen_hidden_state_takes_tiles_and_a_frozen_weight_takes_row_blocks(
         assert paths[path] == 1 and paths["tiles" if path == "rows" else "rows"] == 0
 
 
+@pytest.mark.parametrize("kernels", ["eager", "inductor"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
-def test_tiles_in_narrower_dtypes_match_linear_then_the_logits_op(paths, dtype, tol):
+def test_tiles_in_narrower_dtypes_match_linear_then_the_logits_op(paths, dtype, tol, kernels, monkeypatch):
+    """bf16 with compiled kernels (the backend's): row chunks give `dhidden` first, then the tiles
+    `dW` alone, with no product of fp32 copies (`devices.mm_into` with operands narrower than its
+    accumulator); with eager kernels one pass of tiles."""
+    upcast, mm_into = [], vp.devices.mm_into
+
+    def spy(acc, left, right, **kwargs):
+        upcast.append(left.dtype != acc.dtype)
+        return mm_into(acc, left, right, **kwargs)
+
+    monkeypatch.setattr(vp.devices, "mm_into", spy)
     hidden, weight, bias, target, coef = _data(dtype, seed=2)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    lp, ent = vocab_parallel_lm_head_logprob_entropy(*leaves[:2], target, bias=leaves[2], with_entropy=True,
-                                                     chunk_size=2)
+    lp, ent, _, _ = vp._vocab_parallel_head_op(*leaves[:2], leaves[2], target, None, group_name(None), 1.0, True,
+                                               True, -100, 2, kernels)
     ((coef.float() * lp).sum() + 0.3 * ent.sum()).backward()
     copies = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     ref_lp, ref_ent = vocab_parallel_logprob_entropy(F.linear(*copies), target, with_entropy=True)
@@ -132,4 +145,6 @@ def test_tiles_in_narrower_dtypes_match_linear_then_the_logits_op(paths, dtype, 
     assert _err(lp, ref_lp.double()) <= tol and _err(ent, ref_ent.double()) <= tol
     for leaf, ref in zip(leaves, copies):
         assert leaf.grad.dtype == dtype and _err(leaf.grad, ref.grad.double()) <= tol
-    assert paths["tiles"] == 1
+    two_passes = dtype == torch.bfloat16 and kernels == "inductor"
+    assert paths == {"tiles": 1, "rows": int(two_passes)}
+    assert any(upcast) == (dtype == torch.bfloat16 and not two_passes)  # one pass: dhidden's fp32 product
