@@ -39,20 +39,31 @@ def vocab(head: HeadSpec, tensors) -> int:
 
 def logits(head: HeadSpec, tensors, hidden_chunk, out=None, columns: slice = slice(None)):
     """`hidden_chunk @ W.T (+ b)`, into `out` when given; with `columns`, those logits only.
-    A block's, on the CPU in fp32 with H >= 512, by `_logits_by_vocab_tiles`; else one GEMM.
-    The A/B step on this CPU (2 cores, load 2): PPO at T=2048, H=1024, V=32768 fp32 0.89 x
-    inductor's time by tiles, 0.95 x by one GEMM; bf16 1.12 x against 1.06 x; the loss
-    outside at H=256, V=65536 fp32 1.03 x against 0.99 x (a tile's transposing copy costs what
-    the faster product saves when H is small, and bf16 products are 2.5 x faster)."""
+    A block's, on the CPU in fp32 with H >= 512, by one GEMM or by `_logits_by_vocab_tiles`,
+    whichever ran faster on its first block (`devices.fastest`); else one GEMM. On an AMD EPYC
+    (2 cores, load 2), the A/B PPO step at T=2048, H=1024, V=32768 fp32 took 0.89 x inductor's
+    time by tiles, 0.95 x by one GEMM; on a Xeon one 128-row block's GEMM took 31 ms, its tiles
+    36 ms. bf16, and H < 512, take one GEMM (on the EPYC: bf16 1.12 x against 1.06 x; the loss
+    outside at H=256, V=65536 fp32 1.03 x against 0.99 x: a tile's transposing copy costs what
+    the faster product saves when H is small)."""
     weight = tensors[head.weight]
     bias = tensors[head.bias] if head.bias is not None else None
+    right = weight[:, columns] if head.weight_transposed else weight[columns].t()
+
+    def one_gemm():
+        if bias is None:
+            return torch.mm(hidden_chunk, right, out=out)
+        return torch.addmm(bias[columns], hidden_chunk, right, out=out)
+
     if (columns == slice(None) and devices.host_reads_are_free(hidden_chunk.device)
             and hidden_chunk.element_size() >= 4 and head.hidden_size >= 512):
-        return _logits_by_vocab_tiles(hidden_chunk, weight, bias, head.weight_transposed, out)
-    right = weight[:, columns] if head.weight_transposed else weight[columns].t()
-    if bias is None:
-        return torch.mm(hidden_chunk, right, out=out)
-    return torch.addmm(bias[columns], hidden_chunk, right, out=out)
+        if out is None:
+            out = hidden_chunk.new_empty(hidden_chunk.shape[0], vocab(head, tensors))
+        key = ("logits", tuple(hidden_chunk.shape), tuple(weight.shape), hidden_chunk.dtype, bias is not None,
+               head.weight_transposed)
+        return devices.fastest(key, (one_gemm, lambda: _logits_by_vocab_tiles(
+            hidden_chunk, weight, bias, head.weight_transposed, out)))
+    return one_gemm()
 
 
 # Vocabulary entries per tile of `_logits_by_vocab_tiles`: a tile's `[tile, rows]` product stays

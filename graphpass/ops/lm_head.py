@@ -537,15 +537,23 @@ class _HeadGradients:
         hidden_block = self.hidden[rows]
         transposed = self.head.weight_transposed
         if self.hidden_grad is not None:
-            # [block, V] @ [V, H] into the block's rows of the gradient. On the CPU for fp32 as
-            # (W.T @ dlogits.T).T: MKL streams the weight faster as the left operand (0.79 s
-            # against 0.92 s for T=1920, H=1024, V=32768 in 160-row blocks, 2 cores); not for bf16
-            # (88 ms against 83 ms for a 224-row block).
+            # [block, V] @ [V, H] into the block's rows of the gradient. On the CPU for fp32
+            # also as (W.T @ dlogits.T).T, whichever ran faster on the first block
+            # (`devices.fastest`): on an AMD EPYC MKL streamed the weight faster as the left
+            # operand (0.79 s against 0.92 s for T=1920, H=1024, V=32768 in 160-row blocks, 2
+            # cores), on a Xeon slower (36 against 29 ms a 128-row block); for bf16 one GEMM
+            # (88 ms against 83 ms a 224-row block on the EPYC).
             weight = self.weight.t() if transposed else self.weight
+            out = self.hidden_flat[rows]
+
+            def plain():
+                return torch.mm(dlogits, weight, out=out)
+
             if dlogits.device.type == "cpu" and dlogits.element_size() >= 4:
-                self.hidden_flat[rows].copy_(torch.mm(weight.t(), dlogits.t()).t())
+                key = ("dhidden", tuple(dlogits.shape), tuple(weight.shape), dlogits.dtype)
+                devices.fastest(key, (plain, lambda: out.copy_(torch.mm(weight.t(), dlogits.t()).t())))
             else:
-                torch.mm(dlogits, weight, out=self.hidden_flat[rows])
+                plain()
         if self.weight_acc is not None:
             # dW [V, H] += dlogits.T @ h, or for an [H, V] weight dW += h.T @ dlogits
             left, right = (hidden_block.t(), dlogits) if transposed else (dlogits.t(), hidden_block)
