@@ -317,9 +317,9 @@ class LinearHeadProgram(RegionProgram):
             return False
         if self._tile_kernel(active) is not None or self.split.carried(active, (head.position,)):
             return False  # the tiles cannot give the weight's gradient alone
-        one_pass_accumulates = (rows > vocab or needs_grad is None or needs_grad[head.position]
-                                or self._kernel_wanted(needs_grad) != (head.position,))
-        return one_pass_accumulates
+        # One pass accumulates unless it is tiles with the weight's gradient alone wanted.
+        return (rows > vocab or needs_grad is None or needs_grad[head.position]
+                or self._kernel_wanted(needs_grad) != (head.position,))
 
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """The base's row blocks, or vocabulary tiles where `_tiles_reason` allows: `dW` complete
