@@ -16,7 +16,8 @@ The slice of an input is a view, so the region that reads `shifted` now reaches 
 themselves and scales each chunk on the fly: the `[B, S, V]` scaled copy is gone. Values are
 unchanged (an elementwise op commutes with slicing). An op moves only when every reader picks
 rows (a slice, a chunk loop's `split`, a per-sequence loop's `select`) or reshapes it, so no
-reader needs the whole result and nothing is computed twice.
+reader needs the whole result and nothing is computed twice. A `split` becomes its slices first;
+a split into a single piece, that piece being the whole tensor, becomes the tensor.
 """
 
 from __future__ import annotations
@@ -112,10 +113,22 @@ def _read_alike(graph, arg, user, source, fake_mode):
 
 
 def _split_as_slices(graph, split) -> None:
-    """`split(x, size, dim)[i]` -> `slice(x, dim, i * size, (i + 1) * size)` (static sizes only)."""
+    """`split(x, size, dim)[i]` -> `slice(x, dim, i * size, (i + 1) * size)` (static sizes only);
+    a split into one piece -> `x` itself (a chunk loop over no more rows than one chunk, as TRL's
+    `entropy_from_logits` at 128 tokens or fewer: the piece is the whole tensor, and the region
+    then reads the logits as the loss's other readers do)."""
     source, size = split.args[:2]
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if not isinstance(size, int) or not all(u.target is operator.getitem for u in split.users):
+    if not all(u.target is operator.getitem for u in split.users):
+        return
+    pieces = split.meta.get("val")
+    if isinstance(pieces, (list, tuple)) and len(pieces) == 1 and isinstance(source, torch.fx.Node):
+        for item in list(split.users):
+            item.replace_all_uses_with(source)
+            graph.erase_node(item)
+        graph.erase_node(split)
+        return
+    if not isinstance(size, int):
         return
     for item in list(split.users):
         i = item.args[1]

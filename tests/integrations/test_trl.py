@@ -168,3 +168,29 @@ def test_completion_lengths_that_vary_stay_fused(tmp_path):
     assert len(backend.records) >= 2, "the second length compiles a graph with symbolic sizes"
     for record in backend.records:
         assert [s.lm_head for s in record.sites] == [True], record.rejected
+
+
+@pytest.mark.parametrize("tokens", [64, 128, 300])
+def test_classic_helpers_fuse_at_any_token_count(tokens):
+    """TRL's own `selective_log_softmax` and `entropy_from_logits` (128-row chunks) after an lm_head:
+    one chunk or several, one `logprob+entropy` site with the lm_head; loss and gradients as eager's."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    def loss(hidden, weight, ids, advantages):
+        logits = (hidden @ weight.t()) / 0.7
+        logps, entropy = selective_log_softmax(logits, ids), entropy_from_logits(logits)
+        return -(advantages * (logps - logps.detach()).exp()).mean() - 0.01 * entropy.mean()
+
+    g = torch.Generator().manual_seed(tokens)
+    args = [torch.randn(tokens, 16, generator=g), torch.randn(96, 16, generator=g) * 0.3,
+            torch.randint(0, 96, (tokens,), generator=g), torch.randn(tokens, generator=g)]
+    backend = graphpass.Backend(inner="aot_eager")
+    results = []
+    for fn in (loss, torch.compile(loss, backend=backend)):
+        leaves = [a.clone().requires_grad_(a.is_floating_point() and i < 2) for i, a in enumerate(args)]
+        out = fn(*leaves)
+        out.backward()
+        results.append([out.detach(), leaves[0].grad, leaves[1].grad])
+    assert [(s.kind, s.lm_head) for r in backend.records for s in r.sites] == [("logprob+entropy", True)]
+    for ours, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)

@@ -47,6 +47,25 @@ def test_split_chunks_each_scale_their_own_slice():
         torch.testing.assert_close(a, b)
 
 
+def test_a_split_into_one_piece_is_the_tensor_itself():
+    """A chunk loop over no more rows than a chunk (TRL's `entropy_from_logits` at <= 128 tokens):
+    the region reads the scaled logits as the gather beside it does, not a slice of them."""
+    def fn(logits, ids):
+        scaled = logits / 0.7
+        picked = scaled.gather(-1, ids[:, None])
+        (chunk,) = scaled.split(128)
+        return picked, torch.log_softmax(chunk, -1).exp().sum(-1)
+
+    logits, ids = torch.randn(6, 9), torch.randint(0, 9, (6,))
+    gm = sunk(fn, logits, ids)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.split.Tensor)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
+    (div,) = gm.graph.find_nodes(op="call_function", target=aten.div.Tensor)
+    assert {u.target for u in div.users} == {aten.gather.default, aten.log_softmax.int}
+    for a, b in zip(gm(logits, ids), fn(logits, ids)):
+        torch.testing.assert_close(a, b)
+
+
 def test_an_op_read_whole_elsewhere_stays():
     def fn(logits):
         scaled = logits / 0.7
