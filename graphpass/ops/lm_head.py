@@ -183,8 +183,7 @@ class LinearHeadProgram(RegionProgram):
         if not backward:
             return blocks
         active = self._gradient_outputs()
-        two_passes = bool(self._saving_wanted) or (
-            not self._fused and active and self._backward_in_two_passes(rows, vocab, grad_itemsize, active))
+        two_passes = bool(self._saving_wanted) or self._backward_in_two_passes(rows, vocab, grad_itemsize, active)
         if two_passes:  # row blocks, then tiles
             width = self.tile_columns(rows, vocab, grad_itemsize, upcast=False)
             tile = int(rows * width * self._bytes_per_element(grad_itemsize, True, False))
@@ -311,8 +310,8 @@ class LinearHeadProgram(RegionProgram):
         pass, 0.87 x in two (`bench.lm_head --workloads ppo_outside --dtypes bf16 --ab`). Without
         `needs_grad`: as when the head's operands, and nothing else, need gradients."""
         head = self.head
-        if itemsize >= 4 or not devices.host_reads_are_free(self.device):
-            return False
+        if not active or self._fused or itemsize >= 4 or not devices.host_reads_are_free(self.device):
+            return False  # no gradient to compute, or computed in forward: no backward runs
         if needs_grad is not None and not needs_grad[head.weight]:
             return False
         if self._tile_kernel(active) is not None or self.split.carried(active, (head.position,)):
