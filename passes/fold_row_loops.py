@@ -20,8 +20,9 @@ loop dim `d` (the first dim, or the sequence dim of `[B, S, V]`):
   chain of `slice_scatter`s: when the slices tile the whole buffer it is the `cat` of the chunks.
 
 `f` folds when each of its ops treats the loop dim as a batch dim: elementwise ops, reductions,
-softmaxes and gathers over other dims, squeeze/unsqueeze elsewhere, with loop-invariant operands
-that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is `f(x[i])`. Then the region passes see one region over all rows: no
+softmaxes and gathers over other dims, squeeze/unsqueeze elsewhere, an lm_head's product of the
+hidden states' rows (`sink_row_slices` moves the loop's picks onto them), with loop-invariant
+operands that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is `f(x[i])`. Then the region passes see one region over all rows: no
 per-iteration op, and a temperature applied before the loop is inside it. Anything else (an op
 that mixes rows, a gap between chunks, iterations that differ) leaves the loop as it is; each
 iteration is still its own region.
@@ -317,6 +318,8 @@ class _Batcher:
             b = self._move_dims(node, args, kwargs)
         elif _is_elementwise(target):
             b = self._broadcast_batch_dim(node)
+        elif catalogue.is_row_matmul(node):
+            b = self._row_matmul_batch_dim(node)
         else:
             b = None
         if b is None:
@@ -376,6 +379,17 @@ class _Batcher:
             if self.batch_dim.get(index) != b or index.meta["val"].ndim != x.meta["val"].ndim:
                 return None
         return out_b
+
+    def _row_matmul_batch_dim(self, node):
+        """The loop dim of an lm_head's output (`catalogue.is_row_matmul`: each output row is its
+        hidden row times a loop-invariant weight), as the hidden states': any dim but their last,
+        which the product contracts. After `sink_row_slices` moved a loop's row picks onto the
+        hidden states, every iteration multiplies its own rows."""
+        h = node.args[0]
+        b = self.batch_dim.get(h)
+        invariant = all(a not in self.env for a in node.all_input_nodes if a is not h)
+        rank = h.meta["val"].ndim + (1 if self.stack else 0)  # the batched hidden states'
+        return b if b is not None and invariant and b < rank - 1 else None
 
     def _broadcast_batch_dim(self, node):
         """The loop dim of an elementwise op's output: its batched operands have the output's rank

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from graphpass._torch_api import detect_fake_mode, same_shape, same_size
-from graphpass.analysis.catalogue import is_deterministic_pointwise
+from graphpass.analysis.catalogue import is_deterministic_pointwise, is_row_matmul
 from graphpass.analysis.rowlocal import derives_from_reduction
 
 aten = torch.ops.aten
@@ -47,7 +47,7 @@ def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, re
                     and not derives_from_reduction(node)):  # per-token math stays as written
                 _sink(gm.graph, node)
                 changed = True
-            elif _is_row_matmul(node) and node.users and all(_picks_rows(u, node) for u in node.users):
+            elif is_row_matmul(node) and node.users and all(_picks_rows(u, node) for u in node.users):
                 _sink(gm.graph, node, operands=1)  # only the hidden states are read alike
                 changed = True
     gm.graph.eliminate_dead_code()
@@ -138,22 +138,6 @@ def _split_as_slices(graph, split) -> None:
         item.replace_all_uses_with(piece)
         graph.erase_node(item)
     graph.erase_node(split)
-
-
-def _is_row_matmul(node) -> bool:
-    """`linear(h, W[, b])` or `matmul(h, W)` with a 2-D `W` (an lm_head): each output row is the
-    same row of `h` times `W`, so picking rows of the output is the product of the picked rows."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _ROW_MATMULS:
-        return False
-    out, h = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    others = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
-    weight = others[0] if others else None
-    return (isinstance(out, torch.Tensor) and isinstance(h, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and out.ndim == h.ndim >= 2 and weight.ndim == 2 and not node.kwargs
-            and all(o is None or (isinstance(o, torch.Tensor) and o.ndim == 1) for o in others[1:]))
-
-
-_ROW_MATMULS = {aten.linear.default, aten.matmul.default}
 
 
 def _picks_rows(user, source) -> bool:

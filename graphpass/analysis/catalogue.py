@@ -101,6 +101,22 @@ def non_float_normaliser(graph: torch.fx.Graph):
     return None
 
 
+def is_row_matmul(node) -> bool:
+    """`linear(h, W[, b])` or `matmul(h, W)` with a 2-D `W` (an lm_head): each output row is the
+    same row of `h` times `W`, so picking rows of the output is the product of the picked rows."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in ROW_MATMULS:
+        return False
+    out, h = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    others = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
+    weight = others[0] if others else None
+    return (isinstance(out, torch.Tensor) and isinstance(h, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and out.ndim == h.ndim >= 2 and weight.ndim == 2 and not node.kwargs
+            and all(o is None or (isinstance(o, torch.Tensor) and o.ndim == 1) for o in others[1:]))
+
+
+ROW_MATMULS = {aten.linear.default, aten.matmul.default}
+
+
 def is_deterministic_pointwise(target) -> bool:
     """An ATen op tagged pointwise that draws no random numbers (so it may be moved or batched)."""
     return (is_aten_overload(target) and torch.Tag.pointwise in target.tags

@@ -78,6 +78,33 @@ def test_buffer_filled_along_the_sequence_dim_folds():  # SkyRL chunked_entropy_
     assert count(gm, aten.log_softmax.int) == 1 and count(gm, aten.slice_scatter.default) == 0
 
 
+def test_loops_over_an_lm_heads_rows_fold_with_the_product():  # SkyRL bf16: both loops read the logits
+    """Every reader picks rows of `hidden @ W.T / t`, so `sink_row_slices` moved the picks onto the
+    hidden states and each iteration multiplies its own rows: the fold takes the product in, over
+    a per-batch-row loop and a buffer filled along the sequence dim, and the two loops' folded
+    products and softmaxes are one."""
+    def fn(hidden, weight, labels):
+        logits = hidden @ weight.T / 0.7
+        rows = [F.log_softmax(lg, -1).gather(-1, lb.unsqueeze(-1)).squeeze(-1) for lg, lb in zip(logits, labels)]
+        out = torch.zeros(logits.shape[:2])
+        for s in range(0, logits.shape[1], 2):
+            lp = F.log_softmax(logits[:, s:s + 2], -1)
+            out[:, s:s + 2] = -(lp.exp() * lp).sum(-1)
+        return torch.stack(rows), out
+
+    gm = folded(fn, torch.randn(2, 5, 4), torch.randn(11, 4), torch.randint(0, 11, (2, 5)))
+    assert count(gm, aten.log_softmax.int) == 1 and count(gm, aten.matmul.default) == 1
+    assert count(gm, aten.slice_scatter.default, aten.stack.default, aten.select.int) == 0
+
+
+def test_a_product_with_a_weight_that_varies_by_iteration_stays():
+    def fn(hidden, weights):
+        return (torch.stack([F.log_softmax(h @ w.T, -1) for h, w in zip(hidden, weights)]),)
+
+    gm = folded(fn, torch.randn(3, 5, 4), torch.randn(3, 11, 4))
+    assert count(gm, aten.log_softmax.int) == 3
+
+
 def test_two_buffers_filled_by_one_loop_share_the_folded_softmax():
     def fn(logits, labels):
         logp, ent = torch.empty(logits.shape[0]), torch.empty(logits.shape[0])
