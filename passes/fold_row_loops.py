@@ -22,7 +22,8 @@ loop dim `d` (the first dim, or the sequence dim of `[B, S, V]`):
 `f` folds when each of its ops treats the loop dim as a batch dim: elementwise ops, reductions,
 softmaxes and gathers over other dims, squeeze/unsqueeze elsewhere, an lm_head's product of the
 hidden states' rows (`sink_row_slices` moves the loop's picks onto them), with loop-invariant
-operands that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is `f(x[i])`. Then the region passes see one region over all rows: no
+operands that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is
+`f(x[i])`. Then the region passes see one region over all rows: no
 per-iteration op, and a temperature applied before the loop is inside it. Anything else (an op
 that mixes rows, a gap between chunks, iterations that differ) leaves the loop as it is; each
 iteration is still its own region.

@@ -353,7 +353,8 @@ def test_bf16_backward_takes_two_passes_where_one_would_accumulate(monkeypatch):
     monkeypatch.setattr(lm_head.devices, "mm_into", lambda *args, **kwargs: products.append(args))
     frozen = _batch(torch.bfloat16)
     frozen[1].requires_grad_(False)
-    scale = _batch(torch.bfloat16) + [torch.rand(V, generator=torch.Generator().manual_seed(5)).add(0.5).requires_grad_()]
+    learned = torch.rand(V, generator=torch.Generator().manual_seed(5)).add(0.5).requires_grad_()
+    scale = _batch(torch.bfloat16) + [learned]
     cases = (("two passes", ppo, _batch(torch.bfloat16)), ("two passes", scaled, scale),
              ("two passes", ppo, _batch(torch.bfloat16, rows=40, vocab=32)), ("rows", ppo, frozen))
     for expected, fn, tensors in cases:

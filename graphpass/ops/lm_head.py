@@ -107,7 +107,8 @@ class LinearHeadProgram(RegionProgram):
         within the budget (`_budget`)."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
-        per_row = vocab * self._bytes_per_element(grad_itemsize, backward, self._weight_upcast(rows, vocab, grad_itemsize))
+        upcast = self._weight_upcast(rows, vocab, grad_itemsize)
+        per_row = vocab * self._bytes_per_element(grad_itemsize, backward, upcast)
         block = chunk_sizes.fitting(self._budget(rows, vocab, grad_itemsize, backward), per_row, rows)
         return block - block % chunk_sizes.PANEL_ROWS if block >= 2 * chunk_sizes.PANEL_ROWS else block
 
@@ -326,8 +327,9 @@ class LinearHeadProgram(RegionProgram):
         other (`_backward_in_two_passes`)."""
         active = self._active_outputs(grad_outputs)
         rows, vocab, _ = self._layout(tensors)
+        itemsize = tensors[self.head.weight].element_size()
         if (not active or self._tiles_reason(rows, vocab, active, needs_grad) is not None
-                or self._backward_in_two_passes(rows, vocab, tensors[self.head.weight].element_size(), active, needs_grad)):
+                or self._backward_in_two_passes(rows, vocab, itemsize, active, needs_grad)):
             return super().backward(tensors, saved, needs_grad, grad_outputs)  # row blocks (two passes: then tiles)
         head = self.head
         hidden, weight = tensors[head.position], tensors[head.weight]

@@ -8,9 +8,8 @@ gradient (no keep_mask, on the CPU), goes a vocabulary tile of `W_r` at a time
 (`_head_backward_by_tiles`): the tile's logits for all rows, their gradient written over them,
 `dW[tile]` complete in one GEMM and `dhidden += dl @ W[tile]` (this rank's partial, as autograd of
 `F.linear` gives; for bf16 with compiled kernels, row chunks write `dhidden` first and the tiles
-give `dW` alone); else
-row chunks write `hidden.grad` rows and accumulate the weight's and bias's gradients in fp32. The
-same one collective, none in backward.
+give `dW` alone); else row chunks write `hidden.grad` rows and accumulate the weight's and bias's
+gradients in fp32. The same one collective, none in backward.
 """
 
 from __future__ import annotations
