@@ -25,6 +25,12 @@ def value_or_constant(x):
     return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
 
 
+def is_floating(x) -> bool:
+    """Whether a node's value (a constant's included), or `x` itself, is a floating tensor."""
+    val = value_or_constant(x)
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
 def arange_args(node) -> tuple | None:
     """(start, end, step) of an `aten.arange` node (any overload; ends may be symbolic), else None."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function"

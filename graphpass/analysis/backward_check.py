@@ -30,7 +30,7 @@ from graphpass._torch_api import set_grad_enabled
 from graphpass.analysis import rowlocal
 from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.rowlocal import ROW
-from graphpass.fx_utils import arange_args, target_name, value_or_constant
+from graphpass.fx_utils import arange_args, is_floating, target_name, value_or_constant
 
 aten = torch.ops.aten
 
@@ -155,11 +155,6 @@ def _probe_targets(graph: torch.fx.Graph, vocab: int) -> list[int]:
     return sorted(targets)
 
 
-def _floating(node) -> bool:
-    val = value_or_constant(node) if isinstance(node, torch.fx.Node) else node
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
-
-
 def _branches_on_floats(graph: torch.fx.Graph) -> str | None:
     """Why the code branches on a float value (the probe could miss one side), or None.
 
@@ -168,13 +163,13 @@ def _branches_on_floats(graph: torch.fx.Graph) -> str | None:
     from_floats = set()  # nodes whose value depends on a float tensor
     for node in graph.nodes:
         if node.op == "placeholder":
-            if _floating(node):
+            if is_floating(node):
                 from_floats.add(node)
             continue
         if node.op != "call_function":
             continue
         inputs = [a for a in node.all_input_nodes if a in from_floats]
-        if inputs or _floating(node):
+        if inputs or is_floating(node):
             from_floats.add(node)
         packet = getattr(node.target, "overloadpacket", None)
         if packet in _COMPARISONS and inputs:
@@ -182,7 +177,7 @@ def _branches_on_floats(graph: torch.fx.Graph) -> str | None:
         if packet in _BRANCHING:
             decided = node.args[_BRANCHING[packet]] if len(node.args) > _BRANCHING[packet] else None
             if isinstance(decided, torch.fx.Node) and decided in from_floats and (
-                    packet in (aten.where, aten.masked_fill) or _floating(decided)):
+                    packet in (aten.where, aten.masked_fill) or is_floating(decided)):
                 return f"its code branches on float values ({target_name(node)}), which a probe cannot check"
     return None
 
