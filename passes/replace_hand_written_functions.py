@@ -8,7 +8,9 @@ backward is their gradient (`graphpass.analysis.backward_check`, a float64 probe
 the Function becomes `log_softmax(logits.float() / t).gather(...)` and `-(p * logp).sum(-1)`:
 the chunk pass then rewrites it like any other such math, the lm_head fused where its matmul is
 in the graph. A Function whose backward is not that gradient, or cannot be checked, stays as it
-is with the reason recorded.
+is with the reason recorded; so does one that multiplies by the output layer itself (an lm_head
+inside the Function, which this pass cannot read), the reason naming the stand-in a user can
+register for it (`graphpass.integrations.substitute_in_graph`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
+from graphpass.analysis import catalogue
 from graphpass.analysis.backward_check import check_backward, joint_module
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
+from graphpass.fx_utils import is_floating, transitive_users
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
 from .replace_vocab_parallel_functions import as_the_output_was
@@ -75,7 +79,7 @@ def _match(hop, stub):
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
     match = match_single_device(captured.gm, outputs)
     if match is None:
-        return None
+        return _output_layer_inside(captured.gm)
     what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in match.outputs))
     kept = f"its forward computes the {what} of its logits, but "
     if hop.mutates_inputs or captured.mutated_inputs:
@@ -103,6 +107,27 @@ def _match(hop, stub):
                       "(torch.log_softmax(logits, -1).gather(...)) to have it chunked"
     target = None if target_position is None else tensors[target_position]
     return match, tensors[logits_position], target, non_differentiable
+
+
+#: The products an output layer's logits come from, as captured: where each reads its two operands.
+_PRODUCTS = {aten.matmul.default: slice(0, 2), aten.linear.default: slice(0, 2), aten.mm.default: slice(0, 2),
+             aten.bmm.default: slice(0, 2), aten.addmm.default: slice(1, 3)}
+
+
+def _output_layer_inside(gm: torch.fx.GraphModule) -> str | None:
+    """Why a Function whose forward normalises a product of two of its float inputs (logits
+    `hidden @ W.T` it computes itself) is kept, or None for any other Function."""
+    inputs = [p for p in gm.graph.find_nodes(op="placeholder") if is_floating(p)]
+    from_inputs = set(inputs) | transitive_users(inputs)  # nodes computed from a float input
+    for product in gm.graph.nodes:
+        operands = product.args[_PRODUCTS[product.target]] if product.target in _PRODUCTS else ()
+        if len(operands) < 2 or not all(a in from_inputs for a in operands):
+            continue
+        if any(n.target in catalogue.NORMALISERS or n.target is aten.exp.default for n in transitive_users([product])):
+            return (f"its forward computes logits from its inputs itself (the output layer's product at "
+                    f"{source_of(product)}), which graphpass cannot read inside a Function; register the "
+                    "Function's plain math with graphpass.integrations.substitute_in_graph to have the lm_head fused")
+    return None
 
 
 def _replace(graph: torch.fx.Graph, stub, hop, match, logits, target, non_differentiable) -> None:

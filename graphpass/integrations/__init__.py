@@ -5,6 +5,8 @@ traced code only: eager calls of the library run its own code. `register_availab
 when graphpass is imported, registers each integration whose library is already imported, and
 the others right after their library's module is first imported (the import itself unchanged),
 so the order of imports does not matter and nothing is imported that the program does not import.
+`substitute_in_graph` and `check_substitute` (`graphpass.integrations.substitutes`) do the same for a
+user's own kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import importlib.abc
 import importlib.util
 import logging
 import sys
+
+from graphpass.integrations.substitutes import check_substitute, substitute_in_graph
+
+__all__ = ["check_substitute", "register_available", "register_now", "substitute_apply", "substitute_in_graph"]
 
 log = logging.getLogger("graphpass")
 

@@ -246,3 +246,32 @@ def test_under_inductor_too():
     value, record = _compile(fn, compiled_x, inner="inductor")
     value.backward()
     assert len(record.sites) == 1 and _err(compiled_x.grad, eager_x.grad) <= 1e-5
+
+
+class _Linear(torch.autograd.Function):
+    """A hand-written linear layer: a product of two inputs, normalised nowhere."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def test_a_function_that_is_no_log_prob_is_none_of_its_business():
+    # A product of two inputs is an output layer's only where the Function normalises it: a
+    # plain linear layer gets no "autograd.Function kept" line (the log-probs after it are found).
+    x, w = torch.randn(T, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    target = torch.randint(0, V, (T,))
+
+    def fn(x, w):
+        return torch.log_softmax(_Linear.apply(x, w), -1).gather(-1, target[:, None]).sum()
+
+    value, record = _compile(fn, x, w)
+    value.backward()
+    assert not [r for r in record.rejected if "autograd.Function kept" in r.reason], record.rejected
+    assert len(record.sites) == 1, record
