@@ -14,12 +14,13 @@ For such a kernel, state its plain math once and graphpass fuses that:
         return logp.gather(-1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
     graphpass.integrations.check_substitute(ChunkedLogProbEntropy, chunked_logprob_entropy,
-                                            hidden, weight, labels, inv_t, 8)  # small inputs
+                                            hidden, weight, labels, inv_t, 8, rtol=1e-5)
 
 `torch.compile` then traces the stand-in wherever traced code calls `ChunkedLogProbEntropy.apply`,
 with autograd differentiating it; eager calls run the Function itself. The stand-in is yours to
-get right, as with `torch.compiler.substitute_in_graph`: `check_substitute` runs both on inputs
-you give, in float64, and raises where the values or any input's gradient differ.
+get right, as with `torch.compiler.substitute_in_graph`: `check_substitute` runs both on small
+inputs you give, in float64, and raises where the values or any input's gradient differ (here
+within 1e-5: the stand-in's `.float()` rounds float64 to float32).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 from graphpass import _torch_api
 
 __all__ = ["substitute_in_graph", "check_substitute"]
-
 
 
 def substitute_in_graph(function_cls: type):
