@@ -148,3 +148,22 @@ def test_tiles_in_narrower_dtypes_match_linear_then_the_logits_op(paths, dtype, 
     two_passes = dtype == torch.bfloat16 and kernels == "inductor"
     assert paths == {"tiles": 1, "rows": int(two_passes)}
     assert any(upcast) == (dtype == torch.bfloat16 and not two_passes)  # one pass: dhidden's fp32 product
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta takes the accelerator's path (`ops.devices`)
+def test_the_schedule_takes_the_smaller_accumulator(device):
+    def schedule(rows, vocab, dtype, keep_mask=None, need_hidden=True, need_weight=True, kernels="inductor"):
+        hidden = torch.empty(rows, H, dtype=dtype, device=device)
+        weight = torch.empty(vocab, H, dtype=dtype, device=device)
+        return vp.backward_schedule(hidden, weight, keep_mask, need_hidden, need_weight, kernels)
+
+    assert schedule(8, 32, torch.bfloat16, keep_mask=torch.ones(8, dtype=torch.bool)) == "rows"
+    assert schedule(8, 32, torch.bfloat16, need_weight=False) == "rows"
+    if device == "cpu":  # tiles always, bf16 with compiled kernels after row chunks for dh
+        assert schedule(64, 32, torch.bfloat16) == "rows, then tiles"
+        assert schedule(8, 32, torch.bfloat16, kernels="eager") == "tiles"
+        assert schedule(8, 32, torch.float32) == "tiles"
+    else:  # the [rows, H] accumulator where it is no larger than the [V/tp, H] one; fp32 accumulates in place
+        assert schedule(32, 32, torch.bfloat16) == "tiles"
+        assert schedule(33, 32, torch.bfloat16) == "rows"
+        assert schedule(8, 32, torch.float32) == "rows"

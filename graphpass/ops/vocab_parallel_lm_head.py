@@ -4,10 +4,11 @@
 with the lm_head inside: each chunk's logits are `hidden_c @ W_r.T (+ b_r)` from this rank's weight
 (and bias) shard, in chunks of rows up to half the floor (`block_rows`), recomputed in backward;
 the `[*, V/tp]` logits and their gradient never exist. The backward, where the weight needs a
-gradient (no keep_mask, on the CPU), goes a vocabulary tile of `W_r` at a time
+gradient (no keep_mask; on an accelerator for a narrower weight with no more rows than `V/tp`:
+`backward_schedule`), goes a vocabulary tile of `W_r` at a time
 (`_head_backward_by_tiles`): the tile's logits for all rows, their gradient written over them,
 `dW[tile]` complete in one GEMM and `dhidden += dl @ W[tile]` (this rank's partial, as autograd of
-`F.linear` gives; for bf16 with compiled kernels, row chunks write `dhidden` first and the tiles
+`F.linear` gives; for bf16 with compiled kernels on the CPU, row chunks write `dhidden` first and the tiles
 give `dW` alone); else row chunks write `hidden.grad` rows and accumulate the weight's and bias's
 gradients in fp32. The same one collective, none in backward.
 """
@@ -105,15 +106,10 @@ def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor,
     wanted; each chunk's logits recomputed; no collective."""
     head = HeadLogits(hidden, weight, bias)
     rows = _head_rows(chunk_size, hidden, weight)
-    if keep_mask is None and need_weight and devices.host_reads_are_free(hidden.device):
-        # A narrower dtype with compiled kernels: `dhidden` from row chunks first (complete per
-        # chunk, in bf16), so that the tiles accumulate nothing. The CPU's mm has no fp32 output
-        # for bf16 operands, and its product of fp32 copies (`devices.mm_into`) ran 9 x slower
-        # (`ops.lm_head`); the gradient kernel then runs twice, which pays when it is one fused
-        # pass: at T=2048, H=1024, V=16384 one rank's bf16 step took 0.28 s against 0.39 s with
-        # inductor's kernels, 1.29 s against 0.99 s with eager ones.
+    schedule = backward_schedule(hidden, weight, keep_mask, need_hidden, need_weight, kernels)
+    if schedule != "rows":
         dhidden = None
-        if need_hidden and hidden.dtype.itemsize < 4 and kernels == "inductor":
+        if schedule == "rows, then tiles":
             sink = HeadGradients(head, hidden.shape, True, False, False)
             backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
                           group_name, temperature, ignore_index, rows, kernels, sink)
@@ -126,6 +122,30 @@ def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor,
     backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
                    temperature, ignore_index, rows, kernels, sink)
     return sink.results()
+
+
+def backward_schedule(hidden, weight, keep_mask, need_hidden: bool, need_weight: bool, kernels: str) -> str:
+    """How the backward runs: "tiles" (`_head_backward_by_tiles`: `dW` complete tile by tile, `dh`
+    accumulated), "rows, then tiles" (`dh` complete per row chunk, then tiles for `dW` alone) or
+    "rows" (row chunks: `dh` complete, `dW` accumulated, in fp32 for a narrower weight).
+
+    Tiles need no keep_mask and a weight that wants a gradient. On the CPU they are always taken,
+    and for bf16 with compiled kernels after row chunks for `dh`, so that nothing accumulates: the
+    CPU's mm has no fp32 output for bf16 operands, and its product of fp32 copies
+    (`devices.mm_into`) ran 9 x slower (`ops.lm_head`); the gradient kernel then runs twice, which
+    pays when it is one fused pass (T=2048, H=1024, V=16384: one rank's bf16 step 0.28 s against
+    0.39 s with inductor's kernels, 1.29 s against 0.99 s with eager ones). On an accelerator mm
+    accumulates bf16 operands in fp32 without copies, and the schedule is the one with the smaller
+    fp32 accumulator, as `ops.lm_head`'s: for a narrower weight, tiles (`[rows, H]` for `dh`) where
+    there are no more rows than this rank's vocabulary entries, else row chunks (`[V/tp, H]` for
+    `dW`); an fp32 weight's gradient accumulates in place either way, and takes row chunks."""
+    if keep_mask is not None or not need_weight:
+        return "rows"
+    if devices.host_reads_are_free(hidden.device):
+        narrow_compiled = need_hidden and hidden.dtype.itemsize < 4 and kernels == "inductor"
+        return "rows, then tiles" if narrow_compiled else "tiles"
+    rows = math.prod(hidden.shape[:-1])
+    return "tiles" if weight.dtype.itemsize < 4 and rows <= weight.shape[0] else "rows"
 
 
 def _head_rows(chunk_size: int, hidden, weight) -> int:
