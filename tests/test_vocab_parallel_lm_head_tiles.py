@@ -167,3 +167,27 @@ def test_the_schedule_takes_the_smaller_accumulator(device):
         assert schedule(32, 32, torch.bfloat16) == "tiles"
         assert schedule(33, 32, torch.bfloat16) == "rows"
         assert schedule(8, 32, torch.float32) == "rows"
+
+
+@pytest.mark.parametrize("kernels", ["eager", "inductor"])
+def test_the_accelerators_schedule_matches_linear_then_the_logits_op(paths, kernels, monkeypatch):
+    """bf16 as an accelerator schedules it (one pass of tiles, `dhidden` accumulated in fp32),
+    computed here with the CPU's arithmetic: the values and gradients of the logits-given op."""
+    chosen, schedule = [], vp.backward_schedule
+
+    def as_on_an_accelerator(hidden, weight, *args):
+        chosen.append(schedule(hidden.to("meta"), weight.to("meta"), *args))
+        return chosen[-1]
+
+    monkeypatch.setattr(vp, "backward_schedule", as_on_an_accelerator)
+    hidden, weight, bias, target, coef = _data(torch.bfloat16, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    lp, ent, _, _ = vp._vocab_parallel_head_op(*leaves[:2], leaves[2], target, None, group_name(None), 0.8, True,
+                                               True, -100, 2, kernels)
+    ((coef.float() * lp).sum() + 0.3 * ent.sum()).backward()
+    copies = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ref_lp, ref_ent = vocab_parallel_logprob_entropy(F.linear(*copies), target, temperature=0.8, with_entropy=True)
+    ((coef.float() * ref_lp).sum() + 0.3 * ref_ent.sum()).backward()
+    assert chosen == ["tiles"] and paths == {"tiles": 1, "rows": 0}
+    for leaf, ref in zip(leaves, copies):
+        assert leaf.grad.dtype == torch.bfloat16 and _err(leaf.grad, ref.grad.double()) <= 5e-2
