@@ -186,6 +186,8 @@ def run(args, write) -> list[dict]:
         results.append(row)
         write(results)
         print(_line(row), flush=True)
+        if "traceback" in row:
+            print(row["traceback"], flush=True)
     return results
 
 

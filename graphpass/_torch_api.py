@@ -10,7 +10,13 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+try:  # torch >= 2.12 names a size's example value its guarding hint
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
+except ImportError:  # torch 2.11 (the GPU images') and older
+    from torch.fx.experimental.symbolic_shapes import has_hint as has_guarding_hint
+    from torch.fx.experimental.symbolic_shapes import hint_int as guarding_hint_or_throw
 
 log = logging.getLogger("graphpass")
 

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from bench.harness.measure import measure
@@ -115,7 +116,9 @@ def _measure_or_error(spec: Spec, measure_fn=None) -> dict:
     try:
         return (measure_fn or measure)(spec)
     except Exception as exc:  # reported to the parent as a result, not a crash
-        return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
+        # The traceback's end too: a run on a lent GPU may be the only one for a while.
+        return dict(status="error", note=f"{type(exc).__name__}: {exc}"[:500],
+                    traceback=traceback.format_exc()[-3000:])
 
 
 def _worker_main(spec_json: str):
