@@ -1,0 +1,113 @@
+"""Where a step's time goes on a GPU: one `bench.gpu` case under torch's profiler, per chunk size.
+
+    python -m bench.gpu_profile --case logits_ppo --chunk-sizes 0 2048 4096 --out DIR
+    python -m bench.gpu_profile --case lm_head_ce --methods graphpass inductor --cpu-smoke
+
+For each (method, chunk size: 0 is graphpass's own choice) in one process: compile and warm up,
+time a few steps with CUDA events, then profile one step: the GPU's busy time (the sum of its
+kernels' times) against the step's, and the kernels that took the most. A step much longer than
+its kernels is the host's: launches, Python chunk loops. The tables go to stdout and to
+`DIR/profile_<case>.txt`; no parity here (`bench.gpu` checks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+from bench import gpu, lm_head
+from bench.harness.meters import _timed
+
+
+def step_function(case: gpu.Case, method: str, chunk_size: int | None, device: str, compiler: str):
+    """A zero-argument step (loss and backward) of `method` on `case`'s inputs."""
+    import torch
+
+    import graphpass
+    from bench.harness.spec import torch_dtype
+    from bench.workloads import losses
+
+    backend = (graphpass.Backend(inner=compiler, chunk_size=chunk_size) if method == "graphpass"
+               else compiler if method == "inductor" else None)
+
+    def compile_fn(fn):
+        return fn if backend is None else torch.compile(fn, backend=backend)
+
+    if case.kind == "lm_head":
+        spec = lm_head.HeadSpec(case.workload, method, case.T, case.H, case.V, case.dtype, device=device)
+        batch = lm_head.make_inputs(spec)
+        fn = lm_head._compiled(spec, compile_fn)
+        args, leaves = [batch[k] for k in lm_head.FIELDS], [batch["hidden"], batch["weight"]]
+    else:
+        workload = losses.Workload.parse(case.workload)
+        batch = losses.make_batch(case.T, case.V, torch_dtype(case.dtype), device, workload.temperature)
+        fn = compile_fn(workload.loss_fn(losses.logprob_entropy))
+        args, leaves = [batch[k] for k in losses.BATCH_FIELDS], [batch["logits"]]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        fn(*args).backward()
+
+    return step, backend
+
+
+def profile(step, device: str, rows: int = 12) -> tuple[float, float, str]:
+    """(the step's seconds, its kernels' busy seconds, the table of its costliest kernels)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        seconds = _timed(step, device)
+    events = prof.key_averages()
+    attribute = "device_time_total" if device == "cuda" else "self_cpu_time_total"
+    # The kernels' own rows (a CPU op's device time counts the kernels it launched again).
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 if device == "cuda" else seconds
+    table = events.table(sort_by=attribute, row_limit=rows, max_name_column_width=60)
+    return seconds, busy, table
+
+
+def main(argv=None) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", default="logits_ppo", choices=[c.name for c in gpu.CASES])
+    p.add_argument("--methods", nargs="+", default=["graphpass"], choices=["graphpass", "inductor", "eager"])
+    p.add_argument("--chunk-sizes", nargs="+", type=int, default=[0], help="graphpass's rows per chunk (0: its own)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cpu-smoke", action="store_true", help=f"the case at {gpu.SMOKE_SHAPES} on the CPU")
+    p.add_argument("--out", type=Path, default=None, help="folder for profile_<case>.txt")
+    args = p.parse_args(argv)
+    device, compiler = ("cpu", "aot_eager") if args.cpu_smoke else ("cuda", "inductor")
+    case = next(c for c in gpu.CASES if c.name == args.case)
+    if args.cpu_smoke:
+        case = dataclasses.replace(case, **gpu.SMOKE_SHAPES[case.kind])
+    lines = []
+    for method in args.methods:
+        for chunk in (args.chunk_sizes if method == "graphpass" else [0]):
+            step, backend = step_function(case, method, chunk or None, device, compiler)
+            first = _timed(step, device)
+            times = [_timed(step, device) for _ in range(args.steps)]
+            seconds, busy, table = profile(step, device)
+            sites = [s for r in backend.records for s in r.sites] if method == "graphpass" else []
+            head = (f"== {case.name} {method} chunk_size={chunk or 'own'}: {statistics.median(times) * 1e3:.1f} ms/step "
+                    f"(first {first:.1f} s); profiled step {seconds * 1e3:.1f} ms, kernels busy {busy * 1e3:.1f} ms"
+                    + (f"; chunk rows {[s.chunk_rows for s in sites]}" if sites else ""))
+            print(head, table, sep="\n", flush=True)
+            lines += [head, table]
+            del step, backend
+            torch.cuda.empty_cache() if device == "cuda" else None
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"profile_{case.name}.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
