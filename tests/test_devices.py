@@ -293,3 +293,14 @@ def test_cp_ops_have_no_host_sync_on_the_accelerator_path():
         full = cp_ops._gather_rows(local, "").index_select(0, local_rows)
         back = cp_ops._put_rows(local, local_rows, T)
     assert counter.syncs == [] and {t.device.type for t in (local, targets, full, back)} == {"meta"}
+
+
+def test_logits_chunks_on_an_accelerator_take_an_eighth_of_the_floor():
+    """Each chunk costs the host a call, which a GPU's chunk of a 64th of the floor did not cover
+    (`chunk_sizes.ACCELERATOR_LOGITS_SHARE`): at the PPO anchor's bf16 [32768, 151936] the CPU's
+    chunks are 256 rows (a 64th of the floor in fp32 rows), an accelerator's 2048 (an eighth)."""
+    rows, vocab = 32768, 151936
+    cpu, meta = (chunked_op.program(_compile("logits", device, torch.bfloat16, "eager").sites[0].program_key)
+                 for device in ("cpu", "meta"))
+    assert cpu.rows_per_chunk(rows, vocab, 2) == 256
+    assert meta.rows_per_chunk(rows, vocab, 2) == 2048

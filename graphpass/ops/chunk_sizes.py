@@ -9,6 +9,8 @@ bounds it:
 
     op                          bytes of a chunk's temporaries        why
     logits, one device          max(budget, floor / 64)               all of a chunk's temporaries
+                                on an accelerator max(budget, floor/8) each chunk costs the host a
+                                                                      call: few, long ones
     lm_head, one device         max(budget, floor / 8)  in backward   on top of the gradients
                                 max(budget, floor)      in forward    before any gradient exists
     logits, vocab-parallel      floor / 160, on a CPU at most budget  4-5 fp32 chunks live at once
@@ -29,6 +31,11 @@ from fractions import Fraction
 
 # Exact fractions: a share of a floor is a whole number of bytes, rounded down.
 LOGITS_SHARE = Fraction(1, 64)
+# On an accelerator each chunk costs the host 0.15-0.3 ms (Python, a compiled call, launches) while
+# the device's share of it is its bytes over ~4 TB/s. The PPO step over bf16 logits [32768, 151936]
+# on an H200 (bench/results/gpu_profile.md): 128 chunks of 256 rows took 61 ms, its kernels busy 27 ms
+# of it; 16 chunks of 2048 rows 25.3 ms (busy 25.4), 8 chunks 24.9 ms; inductor 36.7 ms.
+ACCELERATOR_LOGITS_SHARE = Fraction(1, 8)
 # 1/5 (192-row blocks) took the fp32 PPO step at T=2048 H=1024 V=32768 to 1.19 x its floor, 1/8 to
 # 1.13 x at about the same speed (0.90 and 0.98 x inductor's time in two alternating A/B runs).
 LM_HEAD_BACKWARD_SHARE = Fraction(1, 8)
@@ -45,6 +52,11 @@ def lm_head_floor_bytes(rows: int, vocab: int, hidden_size: int, itemsize: int) 
     """The floor of an lm_head op (one device, or one rank's shard): the bytes of the gradients
     its backward must produce, the hidden states' `[rows, H]` and the weight's `[V, H]`."""
     return (rows + vocab) * hidden_size * itemsize
+
+
+def logits_share(host: bool) -> Fraction:
+    """The logits op's share of its floor: on the CPU (`host`), or on an accelerator."""
+    return LOGITS_SHARE if host else ACCELERATOR_LOGITS_SHARE
 
 
 def at_least_budget(floor_bytes: int, share: Fraction, budget_bytes: int) -> int:

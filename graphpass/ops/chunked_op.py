@@ -121,8 +121,8 @@ class RegionProgram:
         """Rows per chunk: the configured size, else what fits `chunk_sizes`' budget for logits."""
         if self.chunk_size is not None:
             return max(1, min(self.chunk_size, rows))
-        budget = chunk_sizes.at_least_budget(rows * vocab * grad_itemsize, chunk_sizes.LOGITS_SHARE,
-                                             self.chunk_budget_bytes)
+        share = chunk_sizes.logits_share(devices.host_reads_are_free(self.device))
+        budget = chunk_sizes.at_least_budget(rows * vocab * grad_itemsize, share, self.chunk_budget_bytes)
         per_element = 4 + self.kernel_temporary_bytes(measured_only=True) + grad_itemsize * len(self.frozen_heads)
         return chunk_sizes.fitting(budget, vocab * per_element, rows)
 
