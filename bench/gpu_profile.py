@@ -65,7 +65,8 @@ def profile(step, device: str, rows: int = 12) -> tuple[float, float, str]:
     with torch_profile(activities=activities) as prof:
         seconds = _timed(step, device)
     events = prof.key_averages()
-    attribute = "device_time_total" if device == "cuda" else "self_cpu_time_total"
+    # Self time: the kernels themselves, not the ops and compiled regions around them.
+    attribute = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     # The kernels' own rows (a CPU op's device time counts the kernels it launched again).
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6 if device == "cuda" else seconds
