@@ -77,3 +77,25 @@ def test_the_fork_server_never_touches_cuda():
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[] []", done.stdout
+
+
+def test_the_profile_smoke_times_each_chunk_size_and_writes_its_tables(tmp_path, capsys):
+    from bench import gpu_profile
+
+    assert gpu_profile.main(["--cpu-smoke", "--case", "logits_ppo", "--chunk-sizes", "0", "16", "--steps", "1",
+                             "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "profile_logits_ppo.txt").read_text()
+    headers = [line for line in text.splitlines() if line.startswith("== logits_ppo graphpass")]
+    assert len(headers) == 2 and "chunk_size=own" in headers[0] and "chunk rows [16]" in headers[1], headers
+    assert "graphpass::rowwise_chunked" in text  # the op's own rows in the profiler's table
+
+
+def test_a_worker_error_carries_its_traceback():
+    from bench.harness.isolate import _measure_or_error
+
+    def failing(spec):
+        raise ValueError("no such shape")
+
+    row = _measure_or_error(None, failing)
+    assert row["status"] == "error" and row["note"] == "ValueError: no such shape"
+    assert "in failing" in row["traceback"] and row["traceback"].rstrip().endswith("ValueError: no such shape")
