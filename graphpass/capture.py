@@ -120,6 +120,12 @@ def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
         raise CantCapture("the graph has side-effecting ops (effect tokens)")
     if signature.parameters or signature.buffers:
         raise CantCapture("the export lifted parameters or buffers")
+    kept = {stub.args[0] for stub in exported.graph.find_nodes(op="call_function", target=_opaque_op())}
+    for key, hop in hops.items():
+        if hop.mutates_inputs and key not in kept:
+            # Its results are unread (torch 2.11's Dynamo reads the written input instead), so the
+            # export dropped the stub, and with it the op's write: the graph would run without it.
+            raise CantCapture(hop.mutates_inputs)
     user_inputs = list(signature.user_inputs)
     mutated = [user_inputs.index(signature.user_inputs_to_mutate[name])
                for name in list(signature.user_inputs_to_mutate)]

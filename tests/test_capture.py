@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import graphpass
+from graphpass import _torch_api
+from graphpass.capture import CantCapture, capture
 
 T, V = 40, 37
 
@@ -202,3 +204,32 @@ def test_a_copy_within_one_device_names_no_device():
     captured = capture_function(fill, torch.randn(8, 16, requires_grad=True), torch.randint(0, 16, (8,)))
     casts = captured.gm.graph.find_nodes(op="call_function", target=torch.ops.aten._to_copy.default)
     assert casts and all("device" not in n.kwargs for n in casts)
+
+
+def test_a_writing_function_whose_results_are_unread_is_refused():
+    """torch 2.11's Dynamo reads the input a Function wrote into (`mark_dirty`) instead of the
+    Function's result; the export then drops the unread stub, and the write with it, and the graph
+    ran without it (a wrong loss, 2.11 only). Emulated here by rewiring this torch's graph so:
+    capture must refuse it."""
+    refused = []
+
+    def grab(gm, example_inputs):
+        hop = next(n for n in gm.graph.nodes if n.op == "call_function" and _torch_api.is_higher_order_op(n.target))
+        written = hop.args[2]  # autograd_function_apply(forward, backward, y, ...)
+        for item in list(hop.users):
+            item.replace_all_uses_with(written)
+            gm.graph.erase_node(item)
+        gm.recompile()
+        with pytest.raises(CantCapture, match="mutates its inputs") as raised:
+            capture(gm, example_inputs)
+        refused.append(raised.value)
+        return gm
+
+    def fn(logits, labels, w):
+        y = logits * 1.0
+        ScaleInPlace.apply(y)
+        return torch.log_softmax(y, -1).gather(-1, labels[:, None]).sum() + w.sum()
+
+    base, labels, w = _inputs()
+    torch.compile(fn, backend=grab)(base * 1.0, labels, w)
+    assert len(refused) == 1
