@@ -389,6 +389,17 @@ def autograd_function_apply():
     return torch.ops.higher_order.autograd_function_apply
 
 
+def function_bodies_unread() -> str | None:
+    """Why graphpass does not read an autograd.Function's forward body on this torch, or None.
+
+    Its body returns `((outputs), (saved))`. torch 2.13's first tuple holds the Function's outputs;
+    torch 2.11's holds its intermediate values after them, and nothing says how many are outputs."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+        return None
+    return (f"graphpass reads a Function's math from torch 2.13 on (torch {torch.__version__}'s Dynamo "
+            "returns the Function's intermediate values with its outputs)")
+
+
 # ---- distributed (graphpass/ops/vocab_parallel.py) -------------------------------------------------
 def resolve_process_group(group_name: str):
     """The `ProcessGroup` named `group_name` (`group.group_name`): custom ops carry a group as its name."""

@@ -76,6 +76,8 @@ def _match(hop, stub):
         captured = capture(forward, vals)
     except CantCapture:
         return None
+    if (why := _torch_api.function_bodies_unread()) is not None:
+        return why if _normalises(captured.gm) else None
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
     match = match_single_device(captured.gm, outputs)
     if match is None:
@@ -107,6 +109,11 @@ def _match(hop, stub):
                       "(torch.log_softmax(logits, -1).gather(...)) to have it chunked"
     target = None if target_position is None else tensors[target_position]
     return match, tensors[logits_position], target, non_differentiable
+
+
+def _normalises(gm: torch.fx.GraphModule) -> bool:
+    """Whether a captured forward takes a softmax, log-sum-exp or exp: possibly this pass's business."""
+    return any(n.target in catalogue.NORMALISERS or n.target is aten.exp.default for n in gm.graph.nodes)
 
 
 #: The products an output layer's logits come from, as captured: where each reads its two operands.

@@ -588,6 +588,8 @@ def _match_function(hop, stub) -> VocabParallelMatch | str | None:
     match = match_forward(captured.gm, outputs, _rank_and_size)
     if match == NOT_PARALLEL:
         return None  # one device: replace_hand_written_functions' business
+    if (why := _torch_api.function_bodies_unread()) is not None:
+        return f"vocab-parallel Function kept: {why}"
     if isinstance(match, str):
         return f"vocab-parallel Function kept: {match}"
     # The forward's inputs are the stub's tensors, in order.

@@ -275,3 +275,28 @@ def test_a_function_that_is_no_log_prob_is_none_of_its_business():
     value.backward()
     assert not [r for r in record.rejected if "autograd.Function kept" in r.reason], record.rejected
     assert len(record.sites) == 1, record
+
+
+def test_a_torch_whose_function_bodies_are_not_read_keeps_the_function_with_the_reason(monkeypatch):
+    """torch 2.11's Dynamo returns a Function's intermediate values with its outputs
+    (`_torch_api.function_bodies_unread`): the Function runs as written, the reason recorded."""
+    from graphpass import _torch_api
+
+    monkeypatch.setattr(_torch_api, "function_bodies_unread", lambda: "graphpass reads a Function's math from 2.13 on")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, V, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (T,), generator=g)
+
+    def fn(logits):
+        logprob, entropy = _SlimeStyle.apply(logits, target, 0.7, True)
+        return (logprob * torch.arange(T)).sum() + entropy.sum()
+
+    eager_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = fn(eager_x)
+    eager.backward()
+    value, record = _compile(fn, x)
+    value.backward()
+    assert record.sites == [] and ["autograd.Function kept: graphpass reads a Function's math from 2.13 on"] == \
+        [r.reason for r in record.rejected], record
+    torch.testing.assert_close(value, eager, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, eager_x.grad, rtol=0, atol=0)
