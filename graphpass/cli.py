@@ -176,13 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def traced_device(device: str) -> str:
-    """The device to make the fake inputs on: `device`, except CUDA on a torch built without it
-    (autograd on fake CUDA tensors aborts there), where `meta` stands in: graphpass takes the same
-    path on every device but the CPU (`graphpass.ops.devices`)."""
+    """The device to make the fake inputs on: `device`, except CUDA where no CUDA device is (a torch
+    built without CUDA aborts autograd on fake CUDA tensors; one built with it, on a machine without
+    a GPU, fails its first fake kernel), where `meta` stands in: graphpass takes the same path on
+    every device but the CPU (`graphpass.ops.devices`)."""
     import torch
 
-    if device == "cuda" and not torch.backends.cuda.is_built():
-        print("graphpass: note: this torch has no CUDA; the cuda configuration is traced on meta tensors, "
+    if device == "cuda" and not torch.cuda.is_available():
+        print("graphpass: note: no CUDA device here; the cuda configuration is traced on meta tensors, "
               "which take graphpass's accelerator path", file=sys.stderr)
         return "meta"
     return device

@@ -105,7 +105,7 @@ def test_inspect_a_cuda_configuration_without_a_gpu(capsys):
     assert code == 0, err
     (g,) = json.loads(out)["graphs"]
     assert len(g["sites"]) == 1 and g["peak_after"] < g["peak_before"]
-    if not torch.backends.cuda.is_built():
+    if not torch.cuda.is_available():  # a CUDA build without a GPU too (torch 2.11's wheel here failed)
         assert "traced on meta tensors" in err
 
 
