@@ -1,13 +1,14 @@
 """Where a step's time goes on a GPU: one `bench.gpu` case under torch's profiler, per chunk size.
 
     python -m bench.gpu_profile --case logits_ppo --chunk-sizes 0 2048 4096 --out DIR
+    python -m bench.gpu_profile --case lm_head_ce --chunk-sizes 0 4096 --tile-layouts width-rows rows-width
     python -m bench.gpu_profile --case lm_head_ce --methods graphpass inductor --cpu-smoke
 
-For each (method, chunk size: 0 is graphpass's own choice) in one process: compile and warm up,
-time a few steps with CUDA events, then profile one step: the GPU's busy time (the sum of its
-kernels' times) against the step's, and the kernels that took the most. A step much longer than
-its kernels is the host's: launches, Python chunk loops. The tables go to stdout and to
-`DIR/profile_<case>.txt`; no parity here (`bench.gpu` checks it).
+For each (method, chunk size: 0 is graphpass's own choice, tile layout) in one process: compile and
+warm up, time a few steps with CUDA events, take one step's peak above the inputs, then profile one
+step: the GPU's busy time (the sum of its kernels' times) against the step's, and the kernels that
+took the most. A step much longer than its kernels is the host's: launches, Python chunk loops.
+The tables go to stdout and to `DIR/profile_<case>.txt`; no parity here (`bench.gpu` checks it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from bench import gpu, lm_head
 from bench.harness.meters import _timed
+from graphpass.ops.lm_head import LinearHeadProgram
 
 
 def step_function(case: gpu.Case, method: str, chunk_size: int | None, device: str, compiler: str):
@@ -55,6 +57,20 @@ def step_function(case: gpu.Case, method: str, chunk_size: int | None, device: s
     return step, backend
 
 
+def _peak_bytes(step, device: str) -> int | None:
+    """Bytes one step allocates above what is allocated before it, on a GPU (None on the CPU)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def profile(step, device: str, rows: int = 12) -> tuple[float, float, str]:
     """(the step's seconds, its kernels' busy seconds, the table of its costliest kernels)."""
     from torch.autograd import DeviceType
@@ -81,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--case", default="logits_ppo", choices=[c.name for c in gpu.CASES])
     p.add_argument("--methods", nargs="+", default=["graphpass"], choices=["graphpass", "inductor", "eager"])
     p.add_argument("--chunk-sizes", nargs="+", type=int, default=[0], help="graphpass's rows per chunk (0: its own)")
+    p.add_argument("--tile-layouts", nargs="+", default=["width-rows"], choices=["width-rows", "rows-width"],
+                   help="lm_head cases: how a vocabulary tile's logits are stored (LinearHeadProgram.tiles_column_major)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cpu-smoke", action="store_true", help=f"the case at {gpu.SMOKE_SHAPES} on the CPU")
     p.add_argument("--out", type=Path, default=None, help="folder for profile_<case>.txt")
@@ -90,20 +108,30 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         case = dataclasses.replace(case, **gpu.SMOKE_SHAPES[case.kind])
     lines = []
-    for method in args.methods:
-        for chunk in (args.chunk_sizes if method == "graphpass" else [0]):
-            step, backend = step_function(case, method, chunk or None, device, compiler)
-            first = _timed(step, device)
-            times = [_timed(step, device) for _ in range(args.steps)]
-            seconds, busy, table = profile(step, device)
-            sites = [s for r in backend.records for s in r.sites] if method == "graphpass" else []
-            head = (f"== {case.name} {method} chunk_size={chunk or 'own'}: {statistics.median(times) * 1e3:.1f} ms/step "
-                    f"(first {first:.1f} s); profiled step {seconds * 1e3:.1f} ms, kernels busy {busy * 1e3:.1f} ms"
-                    + (f"; chunk rows {[s.chunk_rows for s in sites]}" if sites else ""))
-            print(head, table, sep="\n", flush=True)
-            lines += [head, table]
-            del step, backend
-            torch.cuda.empty_cache() if device == "cuda" else None
+    layouts = args.tile_layouts if case.kind == "lm_head" else ["width-rows"]
+    configurations = [(method, chunk, layout) for method in args.methods
+                      for chunk in (args.chunk_sizes if method == "graphpass" else [0])
+                      for layout in (layouts if method == "graphpass" else ["width-rows"])]
+    for method, chunk, layout in configurations:
+        LinearHeadProgram.tiles_column_major = layout == "width-rows"
+        step, backend = step_function(case, method, chunk or None, device, compiler)
+        first = _timed(step, device)
+        times = [_timed(step, device) for _ in range(args.steps)]
+        peak = _peak_bytes(step, device)
+        seconds, busy, table = profile(step, device)
+        sites = [s for r in backend.records for s in r.sites] if method == "graphpass" else []
+        floor = f" = {peak / case.floor_bytes:.2f} x floor" if peak is not None else ""
+        head = (f"== {case.name} {method} chunk_size={chunk or 'own'}"
+                + (f" tiles {layout}" if method == "graphpass" and case.kind == "lm_head" else "")
+                + f": {statistics.median(times) * 1e3:.1f} ms/step (first {first:.1f} s); "
+                + (f"peak {peak / 2**20:,.0f} MiB above the inputs{floor}; " if peak is not None else "")
+                + f"profiled step {seconds * 1e3:.1f} ms, kernels busy {busy * 1e3:.1f} ms"
+                + (f"; chunk rows {[s.chunk_rows for s in sites]}" if sites else ""))
+        print(head, table, sep="\n", flush=True)
+        lines += [head, table]
+        del step, backend
+        torch.cuda.empty_cache() if device == "cuda" else None
+    LinearHeadProgram.tiles_column_major = True
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"profile_{case.name}.txt").write_text("\n".join(lines) + "\n")

@@ -88,6 +88,11 @@ def test_the_profile_smoke_times_each_chunk_size_and_writes_its_tables(tmp_path,
     headers = [line for line in text.splitlines() if line.startswith("== logits_ppo graphpass")]
     assert len(headers) == 2 and "chunk_size=own" in headers[0] and "chunk rows [16]" in headers[1], headers
     assert "graphpass::rowwise_chunked" in text  # the op's own rows in the profiler's table
+    assert gpu_profile.main(["--cpu-smoke", "--case", "lm_head_ce", "--tile-layouts", "width-rows", "rows-width",
+                             "--steps", "1", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "profile_lm_head_ce.txt").read_text()
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("==")] == \
+        [f"== lm_head_ce graphpass chunk_size=own tiles {layout}" for layout in ("width-rows", "rows-width")]
 
 
 def test_a_worker_error_carries_its_traceback():

@@ -479,3 +479,13 @@ def test_an_overwritten_argument_is_read_before_its_gradient_replaces_it():
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1, keepdim=True).detach())
     (expected,) = torch.autograd.grad(torch.logsumexp(logits, -1, keepdim=True), logits, grad_out)
     torch.testing.assert_close(slot, expected)
+
+
+@pytest.mark.parametrize("column_major", [True, False], ids=["width-rows", "rows-width"])
+def test_either_tile_layout_gives_the_same_gradients(column_major, monkeypatch):
+    """A tile's logits stored `[width, rows]` (the default) or `[rows, width]`
+    (`LinearHeadProgram.tiles_column_major`, for measuring on a GPU): values and gradients as
+    eager's, each layout a program of its own (its key holds the layout)."""
+    monkeypatch.setattr(LinearHeadProgram, "tiles_column_major", column_major)
+    (program,) = _programs(_check(ppo, _batch(torch.bfloat16, vocab=600)))
+    assert program.tiles_column_major is column_major and _schedule(program) == "two passes"

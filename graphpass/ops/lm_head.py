@@ -68,9 +68,14 @@ class LinearHeadProgram(RegionProgram):
     keep_columns = True
     """Whether the two passes keep the last entries' dlogits in the weight gradient's buffer
     (`kept_columns`); tests turn it off to run the tiles over the whole vocabulary."""
+    tiles_column_major = True
+    """Whether a vocabulary tile's logits are stored `[width, rows]` (see `_tile_pass`) or
+    `[rows, width]`: `bench.gpu_profile --tile-layouts` measures both on a GPU, where the column-tile
+    kernel ran at a ninth of the memory's speed (bench/results/gpu_profile.md)."""
 
     def __init__(self, graph_module, inputs, outputs, *, head: HeadSpec, **kwargs):
         self.head = head  # before the base's __init__: the content key includes it
+        self.tiles_column_major = type(self).tiles_column_major  # fixed, and in the key, from here on
         super().__init__(graph_module, inputs, outputs, **kwargs)
         # A chunk's logits are a temporary: its gradient kernels overwrite them with their gradient.
         self.split.overwritten = (head.position,)
@@ -81,7 +86,7 @@ class LinearHeadProgram(RegionProgram):
         """Why no column-tile kernel exists for these active outputs (`JointSplit.column_tile`)."""
 
     def _identity(self) -> tuple:
-        return (*super()._identity(), self.head)
+        return (*super()._identity(), self.head, self.tiles_column_major)
 
     # ---- sizes -------------------------------------------------------------------------
     # A block (or a tile) is one call of the region's kernel, which overwrites its logits with
@@ -375,7 +380,8 @@ class LinearHeadProgram(RegionProgram):
         for k, start in enumerate(range(0, stop, width)):
             columns = slice(start, min(stop, start + width))
             n = columns.stop - start
-            logits = self._logits(tensors, hidden, out=tile[:rows * n].view(n, rows).t(), columns=columns)
+            out = tile[:rows * n].view(n, rows).t() if self.tiles_column_major else tile[:rows * n].view(rows, n)
+            logits = self._logits(tensors, hidden, out=out, columns=columns)
             for sl, args in self._chunks(tensors, rows, blocks, chunk):
                 args = self._with_frozen_logits(tensors, args, columns)
                 args = [a if i in self.frozen_positions else _columns(a, spec, vocab, columns)
