@@ -252,6 +252,8 @@ def build(spec: HeadSpec):
     if spec.method == "linear_ce":
         if spec.workload != "ce":
             return "F.linear_cross_entropy computes cross-entropy only"
+        if not hasattr(torch_functional(), "linear_cross_entropy"):
+            return f"F.linear_cross_entropy is not in torch {torch.__version__}"
         return linear_ce_loss, dict
     if spec.method == "chunked":
         return chunked(spec.workload), dict
