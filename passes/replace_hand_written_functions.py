@@ -111,9 +111,14 @@ def _match(hop, stub):
     return match, tensors[logits_position], target, non_differentiable
 
 
+def _is_normaliser(node: torch.fx.Node) -> bool:
+    """Whether `node` takes a softmax, log-sum-exp or exp: what a log-prob's math goes through."""
+    return node.target in catalogue.NORMALISERS or node.target is aten.exp.default
+
+
 def _normalises(gm: torch.fx.GraphModule) -> bool:
-    """Whether a captured forward takes a softmax, log-sum-exp or exp: possibly this pass's business."""
-    return any(n.target in catalogue.NORMALISERS or n.target is aten.exp.default for n in gm.graph.nodes)
+    """Whether a captured forward normalises anything: possibly this pass's business."""
+    return any(_is_normaliser(n) for n in gm.graph.nodes)
 
 
 #: The products an output layer's logits come from, as captured: where each reads its two operands.
@@ -130,7 +135,7 @@ def _output_layer_inside(gm: torch.fx.GraphModule) -> str | None:
         operands = product.args[_PRODUCTS[product.target]] if product.target in _PRODUCTS else ()
         if len(operands) < 2 or not all(a in from_inputs for a in operands):
             continue
-        if any(n.target in catalogue.NORMALISERS or n.target is aten.exp.default for n in transitive_users([product])):
+        if any(_is_normaliser(n) for n in transitive_users([product])):
             return (f"its forward computes logits from its inputs itself (the output layer's product at "
                     f"{source_of(product)}), which graphpass cannot read inside a Function; register the "
                     "Function's plain math with graphpass.integrations.substitute_in_graph to have the lm_head fused")
