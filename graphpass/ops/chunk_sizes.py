@@ -9,7 +9,7 @@ bounds it:
 
     op                          bytes of a chunk's temporaries        why
     logits, one device          max(budget, floor / 64)               all of a chunk's temporaries
-                                on an accelerator max(budget, floor/8) each chunk costs the host a
+                                max(budget, floor / 8) off the CPU    each chunk costs the host a
                                                                       call: few, long ones
     lm_head, one device         max(budget, floor / 8)  in backward   on top of the gradients
                                 max(budget, floor)      in forward    before any gradient exists
