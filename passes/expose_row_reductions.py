@@ -156,7 +156,7 @@ def _from_normaliser(node, depth: int = 12) -> bool:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if n.target in catalogue.NORMALISERS or n.target is aten.exp.default:
+        if catalogue.normalises(n):
             return True
         todo.extend(a for a in n.all_input_nodes
                     if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == shape)

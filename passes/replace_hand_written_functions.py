@@ -77,7 +77,7 @@ def _match(hop, stub):
     except CantCapture:
         return None
     if (why := _torch_api.function_bodies_unread()) is not None:
-        return why if _normalises(captured.gm) else None
+        return why if any(catalogue.normalises(n) for n in captured.gm.graph.nodes) else None
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
     match = match_single_device(captured.gm, outputs)
     if match is None:
@@ -111,16 +111,6 @@ def _match(hop, stub):
     return match, tensors[logits_position], target, non_differentiable
 
 
-def _is_normaliser(node: torch.fx.Node) -> bool:
-    """Whether `node` takes a softmax, log-sum-exp or exp: what a log-prob's math goes through."""
-    return node.target in catalogue.NORMALISERS or node.target is aten.exp.default
-
-
-def _normalises(gm: torch.fx.GraphModule) -> bool:
-    """Whether a captured forward normalises anything: possibly this pass's business."""
-    return any(_is_normaliser(n) for n in gm.graph.nodes)
-
-
 #: The products an output layer's logits come from, as captured: where each reads its two operands.
 _PRODUCTS = {aten.matmul.default: slice(0, 2), aten.linear.default: slice(0, 2), aten.mm.default: slice(0, 2),
              aten.bmm.default: slice(0, 2), aten.addmm.default: slice(1, 3)}
@@ -135,7 +125,7 @@ def _output_layer_inside(gm: torch.fx.GraphModule) -> str | None:
         operands = product.args[_PRODUCTS[product.target]] if product.target in _PRODUCTS else ()
         if len(operands) < 2 or not all(a in from_inputs for a in operands):
             continue
-        if any(_is_normaliser(n) for n in transitive_users([product])):
+        if any(catalogue.normalises(n) for n in transitive_users([product])):
             return (f"its forward computes logits from its inputs itself (the output layer's product at "
                     f"{source_of(product)}), which graphpass cannot read inside a Function; register the "
                     "Function's plain math with graphpass.integrations.substitute_in_graph to have the lm_head fused")

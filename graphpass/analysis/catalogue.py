@@ -64,6 +64,11 @@ NORMALISERS = SOFTMAX | {aten.logsumexp.default} | LOSSES
 #: written out by hand begins with (`x - x.max(-1)`, then `exp`, then `e / e.sum(-1)`).
 ANCHORS = NORMALISERS | {aten.amax.default, aten.max.dim, aten.sum.dim_IntList}
 
+
+def normalises(node) -> bool:
+    """Whether `node` is a normaliser or an exp: what a log-prob or entropy's math goes through."""
+    return node.target in NORMALISERS or node.target is aten.exp.default
+
 # ---- narrow ops that finish a quantity --------------------------------------------------------------
 #: A sign flip, views, casts, and the log of a hand-written softmax's sum or picked probability
 #: (`log(sum(exp(x - m)))`, `log(p.gather(...))`).

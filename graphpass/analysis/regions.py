@@ -142,7 +142,7 @@ class _Grower:
                 self._add_users(node, frontier)
         self._absorb_narrow_closure()
         self._evict_wide_escapes()
-        if not any(n.target in rowlocal.NORMALISERS or n.target is aten.exp.default for n in self.nodes):
+        if not any(catalogue.normalises(n) for n in self.nodes):
             # A plain sum or max over the last dim: nothing to save by chunking it.
             return "no softmax, log-sum-exp or exp over the vocabulary"
         if self.anchor not in self.nodes:
