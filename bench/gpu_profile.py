@@ -25,28 +25,22 @@ from graphpass.ops.lm_head import LinearHeadProgram
 
 
 def step_function(case: gpu.Case, method: str, chunk_size: int | None, device: str, compiler: str):
-    """A zero-argument step (loss and backward) of `method` on `case`'s inputs."""
-    import torch
-
-    import graphpass
+    """(a zero-argument step, loss and backward, of `method` on `case`'s inputs; the method's notes),
+    built as `bench.gpu`'s workers build them (`bench.lm_head.build`, `bench.workloads.methods`)."""
     from bench.harness.spec import torch_dtype
     from bench.workloads import losses
-
-    backend = (graphpass.Backend(inner=compiler, chunk_size=chunk_size) if method == "graphpass"
-               else compiler if method == "inductor" else None)
-
-    def compile_fn(fn):
-        return fn if backend is None else torch.compile(fn, backend=backend)
+    from bench.workloads.methods import METHODS
 
     if case.kind == "lm_head":
-        spec = lm_head.HeadSpec(case.workload, method, case.T, case.H, case.V, case.dtype, device=device)
+        spec = lm_head.HeadSpec(case.workload, method, case.T, case.H, case.V, case.dtype, device=device,
+                                inner=compiler, chunk_size=chunk_size)
+        fn, notes = lm_head.build(spec)
         batch = lm_head.make_inputs(spec)
-        fn = lm_head._compiled(spec, compile_fn)
         args, leaves = [batch[k] for k in lm_head.FIELDS], [batch["hidden"], batch["weight"]]
     else:
         workload = losses.Workload.parse(case.workload)
+        fn, notes = METHODS[method].build(workload, compiler, chunk_size)
         batch = losses.make_batch(case.T, case.V, torch_dtype(case.dtype), device, workload.temperature)
-        fn = compile_fn(workload.loss_fn(losses.logprob_entropy))
         args, leaves = [batch[k] for k in losses.BATCH_FIELDS], [batch["logits"]]
 
     def step():
@@ -54,7 +48,7 @@ def step_function(case: gpu.Case, method: str, chunk_size: int | None, device: s
             leaf.grad = None
         fn(*args).backward()
 
-    return step, backend
+    return step, notes
 
 
 def _peak_bytes(step, device: str) -> int | None:
@@ -114,23 +108,24 @@ def main(argv=None) -> int:
                       for layout in (layouts if method == "graphpass" else ["width-rows"])]
     for method, chunk, layout in configurations:
         LinearHeadProgram.tiles_column_major = layout == "width-rows"
-        step, backend = step_function(case, method, chunk or None, device, compiler)
+        step, notes = step_function(case, method, chunk or None, device, compiler)
         first = _timed(step, device)
         times = [_timed(step, device) for _ in range(args.steps)]
         peak = _peak_bytes(step, device)
         seconds, busy, table = profile(step, device)
-        sites = [s for r in backend.records for s in r.sites] if method == "graphpass" else []
+        chunk_rows = notes().get("chunk_rows")
         floor = f" = {peak / case.floor_bytes:.2f} x floor" if peak is not None else ""
         head = (f"== {case.name} {method} chunk_size={chunk or 'own'}"
                 + (f" tiles {layout}" if method == "graphpass" and case.kind == "lm_head" else "")
                 + f": {statistics.median(times) * 1e3:.1f} ms/step (first {first:.1f} s); "
                 + (f"peak {peak / 2**20:,.0f} MiB above the inputs{floor}; " if peak is not None else "")
                 + f"profiled step {seconds * 1e3:.1f} ms, kernels busy {busy * 1e3:.1f} ms"
-                + (f"; chunk rows {[s.chunk_rows for s in sites]}" if sites else ""))
+                + (f"; chunk rows {chunk_rows}" if chunk_rows else ""))
         print(head, table, sep="\n", flush=True)
         lines += [head, table]
-        del step, backend
-        torch.cuda.empty_cache() if device == "cuda" else None
+        del step, notes
+        if device == "cuda":
+            torch.cuda.empty_cache()
     LinearHeadProgram.tiles_column_major = True
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -22,11 +22,13 @@ class Method:
     backend: str | None = None
     inductor_config: tuple[tuple[str, object], ...] = ()
 
-    def build(self, workload: losses.Workload, compiler: str = "inductor") -> tuple[Callable, Callable[[], dict]]:
+    def build(self, workload: losses.Workload, compiler: str = "inductor",
+              chunk_size: int | None = None) -> tuple[Callable, Callable[[], dict]]:
         """The step function and a callback returning notes about what the method did.
 
         `compiler` replaces inductor as the `inductor` method's backend and graphpass's inner
         compiler (`aot_eager` for a quick smoke run); the auto-chunker is inductor's own.
+        `chunk_size`: graphpass's rows per chunk (None: its own choice).
         """
         lp_ent = losses.chunked_logprob_entropy if self.chunked_loop else losses.logprob_entropy
         fn = workload.loss_fn(lp_ent)
@@ -38,7 +40,7 @@ class Method:
             for key, value in self.inductor_config:
                 setattr(config, key, value)
         if self.backend == "graphpass":
-            backend = _graphpass_backend(compiler)
+            backend = _graphpass_backend(compiler, chunk_size)
         else:
             backend = compiler if self.name == "inductor" else self.backend
         return torch.compile(fn, backend=backend), lambda: _compile_notes(backend)
@@ -51,10 +53,10 @@ class Method:
         return None
 
 
-def _graphpass_backend(inner: str = "inductor"):
+def _graphpass_backend(inner: str = "inductor", chunk_size: int | None = None):
     import graphpass
 
-    return graphpass.Backend(inner=inner)
+    return graphpass.Backend(inner=inner, chunk_size=chunk_size)
 
 
 def _compile_notes(backend) -> dict:
@@ -77,6 +79,7 @@ def _compile_notes(backend) -> dict:
         notes["graphpass_fallbacks"] = [r.fallback_reason for r in backend.records if r.fallback_reason]
         notes["graphpass_kinds"] = [s.kind for r in backend.records for s in r.sites]
         notes["graphpass_grads_kept"] = [s.grads_kept for r in backend.records for s in r.sites]
+        notes["chunk_rows"] = [s.chunk_rows for r in backend.records for s in r.sites]
     return notes
 
 
