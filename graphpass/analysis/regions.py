@@ -4,11 +4,13 @@ Starting from an op that normalises over the vocabulary (log_softmax, softmax, l
 cross_entropy, ...), a region grows over data edges through row-local ops: upward through wide
 producers (casts, temperature scaling, -inf masking), downward through every row-local consumer
 of a wide value (reductions and gathers that make narrow outputs), and over narrow ops whose
-inputs all come from the region (`-sum`, `lse - sum`, squeeze). It stops at anything else, at
-values used outside that are still `[rows, V]` wide. A region may span `no_grad` blocks (an
-entropy logged from the shared log_softmax, a teacher's log_softmax read by the student's KL):
-the chunked op runs in one grad mode, so where it runs with grad, each value the region computes
-under no_grad is detached in its program (`Region.detached`), and no gradient flows through it.
+inputs all come from the region (`-sum`, `lse - sum`, squeeze), or that the region reads again
+(an online log-sum-exp's running max, carried from one vocabulary block to the next). It stops
+at anything else, at values used outside that are still `[rows, V]` wide. A region may span
+`no_grad` blocks (an entropy logged from the shared log_softmax, a teacher's log_softmax read
+by the student's KL): the chunked op runs in one grad mode, so where it runs with grad, each
+value the region computes under no_grad is detached in its program (`Region.detached`), and no
+gradient flows through it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from graphpass.analysis import catalogue, rowlocal
 from graphpass._torch_api import known_equal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
-from graphpass.fx_utils import target_name
+from graphpass.fx_utils import target_name, transitive_inputs, transitive_users
 from graphpass.records import Rejection
 
 aten = torch.ops.aten
@@ -141,6 +143,8 @@ class _Grower:
             if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), (tuple, list)):
                 self._add_users(node, frontier)
         self._absorb_narrow_closure()
+        while self._absorb_recurrences():
+            self._absorb_narrow_closure()
         self._evict_wide_escapes()
         if not any(catalogue.normalises(n) for n in self.nodes):
             # A plain sum or max over the last dim: nothing to save by chunking it.
@@ -174,6 +178,16 @@ class _Grower:
                                  or (u.target in catalogue.FINISHING_IF_ONLY_READER and len(node.users) == 1))
                     if finishing and all(a in self.nodes for a in inputs) and self.try_add(u) is None:
                         changed = True
+
+    def _absorb_recurrences(self) -> bool:
+        """Add the row-local ops outside the region that are computed from its values and read
+        by it again: a loop over vocabulary blocks that carries its statistics from block to
+        block (an online log-sum-exp: `m = maximum(m, block.amax(-1))`, `s = s * exp(m_old - m)
+        + exp(block - m).sum(-1)`). Left outside, the region would read its own outputs. True
+        if the region grew."""
+        between = transitive_users(self.nodes) & transitive_inputs(self.nodes) - self.nodes
+        added = [self.try_add(n) is None for n in self.anchor.graph.nodes if n in between]
+        return any(added)
 
     def _evict_wide_escapes(self):
         """Drop wide nodes used outside the region (and their in-region producers)."""
