@@ -93,6 +93,28 @@ def test_tolerance_catches_a_small_gradient_error_but_not_rounding():
     assert "non-finite" in run.compare("g", nan, eager, ref, run.RTOL[torch.float32])
 
 
+def test_decomposed_run_widens_the_bound_to_its_rounding_only():
+    ref = torch.linspace(-1, 1, 50, dtype=torch.float64)
+    eager = ref.float()  # eager happens to round every value to nearest
+    got = (ref + 3e-5).float()  # as far off as torch's decomposed graph is
+    rtol = run.RTOL[torch.float32]
+    assert "error" in run.compare("g", got, eager, ref, rtol)
+    assert run.compare("g", got, eager, ref, rtol, peers=[(ref + 3e-5).float()]) is None
+    # A peer whose error is smaller, missing, or of another shape leaves eager's bound; a wrong
+    # value is caught whatever the peer.
+    for peer in (eager, None, eager[:10]):
+        assert "error" in run.compare("g", got, eager, ref, rtol, peers=[peer])
+    wrong = (ref + 3e-5).float()
+    wrong[7] += 0.05
+    assert "error" in run.compare("g", wrong, eager, ref, rtol, peers=[(ref + 3e-5).float()])
+
+
+def test_known_rounding_case_is_within_the_decomposed_graphs_error():
+    # Seed 10025: graphpass's logits gradient is off float64 by 2.95e-6, torch's decomposed
+    # graph's by the same to the last bit; eager's by 3.7e-8 (module comment of bench.fuzz.run).
+    assert run.check_seed(10025, inner="eager").mismatch is None
+
+
 def test_programs_are_determined_by_their_seed_and_run_eagerly():
     # Every generated program is valid code whose eager run and float64 reference succeed
     # (forward and backward) with finite gradients: a mismatch is never the generator's fault.
