@@ -23,6 +23,16 @@ class OutputRecord:
     """How the logits were scaled before it, as written ("/ 0.7", "* s", ...); None if unscaled."""
 
 
+def site_kind(labels) -> str:
+    """A site's `kind`: its output labels joined by "+", in order of first appearance; a label
+    that appears more than twice is written once with its count ("logprob+rowwise x25": the
+    running statistics of an online log-sum-exp), so that a report's column stays narrow."""
+    counts = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return "+".join("+".join([label] * n) if n <= 2 else f"{label} x{n}" for label, n in counts.items())
+
+
 @dataclasses.dataclass
 class CollectiveRecord:
     """One collective a rewritten site issues per call."""
@@ -45,7 +55,7 @@ class SiteRecord:
     """A row-local region replaced by one chunked, recomputing op."""
 
     kind: str
-    """The labels of its outputs joined by "+", e.g. "logprob+entropy"."""
+    """The labels of its outputs joined by "+", e.g. "logprob+entropy" (`site_kind`)."""
     source: str
     """The user's source line that produced the region's first op, "file.py:LINE"."""
     shape: tuple

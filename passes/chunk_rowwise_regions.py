@@ -34,7 +34,7 @@ from graphpass.ops import chunked_op
 from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, OutputSpec, RegionProgram
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.lm_head import LinearHeadProgram
-from graphpass.records import REPLACED_FUNCTION, OutputRecord, Rejection, SiteRecord
+from graphpass.records import REPLACED_FUNCTION, OutputRecord, Rejection, SiteRecord, site_kind
 
 log = logging.getLogger("graphpass")
 aten = torch.ops.aten
@@ -510,7 +510,7 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
         extra.update(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
                      forward_workspace_bytes=forward_workspace)
     return SiteRecord(
-        kind="+".join(label.kind for label in labels),
+        kind=site_kind(label.kind for label in labels),
         source=source_of(region.anchor),
         shape=tuple(wide.shape),
         dtype=wide.dtype,

@@ -49,7 +49,7 @@ from graphpass.capture import CantCapture, capture, hop_of, written_inputs
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
-from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord
+from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord, site_kind
 
 # The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
 from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
@@ -311,7 +311,7 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
     wide = logits.meta["val"]
     rows_hint = _torch_api.size_hint(wide.numel()) // max(1, _torch_api.size_hint(wide.shape[-1]))
     site = dataclasses.replace(
-        site_a, kind="+".join(o.kind for o in outputs), outputs=outputs,
+        site_a, kind=site_kind(o.kind for o in outputs), outputs=outputs,
         collectives=_all_gathers(site_a.tp_size, [collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False)]))
     return site, op
 
@@ -736,7 +736,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     wide = logits.meta["val"]
     rows_hint = _torch_api.size_hint(wide.numel()) // max(1, _torch_api.size_hint(wide.shape[-1]))
     return SiteRecord(
-        kind="+".join(o.kind for o in outputs), source=source_of(op), shape=tuple(wide.shape), dtype=wide.dtype,
+        kind=site_kind(o.kind for o in outputs), source=source_of(op), shape=tuple(wide.shape), dtype=wide.dtype,
         chunk_size=config.chunk_size, outputs=outputs, tp_size=match.group_size, group=match.group_name,
         collectives=_all_gathers(match.group_size, [collective_bytes(rows_hint, wide.dtype, with_entropy, masked=False)])
         + ([CollectiveRecord("all_reduce in backward", match.group_size,

@@ -10,7 +10,7 @@ import torch
 
 from graphpass import report
 from graphpass.memory import MemoryEstimate, PeakEstimate
-from graphpass.records import CollectiveRecord, GraphRecord, OutputRecord, Rejection, SiteRecord
+from graphpass.records import CollectiveRecord, GraphRecord, OutputRecord, Rejection, SiteRecord, site_kind
 
 MiB = 2**20
 
@@ -182,3 +182,9 @@ def test_lm_head_sites_say_the_logits_are_never_stored():
     assert "lm_head fused" in report.render_table(g)
     assert json.loads(report.to_json(g))["sites"][0]["lm_head"] is True
     assert "lm_head" not in report.table_rows(one_site_graph())[0]  # no column without such a site
+
+
+def test_site_kind_counts_a_label_repeated_more_than_twice():
+    assert site_kind(["logprob", "entropy"]) == "logprob+entropy"
+    assert site_kind(["logprob", "logprob"]) == "logprob+logprob"
+    assert site_kind(["rowwise", "logprob"] + ["rowwise"] * 24) == "rowwise x25+logprob"
