@@ -143,7 +143,7 @@ class _Grower:
             if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), (tuple, list)):
                 self._add_users(node, frontier)
         self._absorb_narrow_closure()
-        while self._absorb_recurrences():
+        while self._absorb_recurrences() | self._absorb_accumulators():
             self._absorb_narrow_closure()
         self._evict_wide_escapes()
         if not any(catalogue.normalises(n) for n in self.nodes):
@@ -189,6 +189,42 @@ class _Grower:
         added = [self.try_add(n) is None for n in self.anchor.graph.nodes if n in between]
         return any(added)
 
+    def _absorb_accumulators(self) -> bool:
+        """Add the running values that a loop over vocabulary blocks folds each block's statistics
+        into: starting from a row-wise value computed from nothing (`s = torch.zeros(rows)`), each
+        step that combines the running value with the region's values (`s * exp(m_old - m) +
+        block.exp().sum(-1)`, `torch.where(in_block, block_logit, target)`). With them, what the
+        loop computes (`m + log(s)`) is the region's output, not each block's share. True if the
+        region grew."""
+        running = {n for n in self.anchor.graph.nodes if _computed_from_nothing(n) and n not in self.nodes}
+        grew, todo = False, list(running)
+        while todo:
+            for step in list(todo.pop().users):
+                if step in self.nodes or step.op != "call_function" or not rowlocal.is_pointwise(step.target) \
+                        or self.is_wide(step):
+                    continue
+                others = [a for a in rowlocal.data_inputs(step) if a not in running]
+                derived = []  # `exp(m_old - m)`: computed from the region's values alone
+                if not others or not all(a in self.nodes or self._derived(a, derived) or _condition_of(step, a)
+                                         for a in others):
+                    continue
+                if all(self.try_add(n) is None for n in derived) and self.try_add(step) is None:
+                    running.add(step)
+                    todo.append(step)
+                    grew = True
+        return grew
+
+    def _derived(self, node, found: list) -> bool:
+        """Whether `node` is narrow math on the region's values alone (collected in `found`, inputs
+        first; `try_add` then says whether it is row-local)."""
+        if node in self.nodes or node in found:
+            return True
+        if node.op != "call_function" or not _is_tensor_node(node) or self.is_wide(node) \
+                or not all(self._derived(a, found) for a in rowlocal.data_inputs(node)):
+            return False
+        found.append(node)
+        return True
+
     def _evict_wide_escapes(self):
         """Drop wide nodes used outside the region (and their in-region producers)."""
         changed = True
@@ -204,6 +240,18 @@ class _Grower:
                 if node.target is operator.getitem and node.args[0] not in self.nodes:
                     self.nodes.discard(node)
                     changed = True
+
+
+def _computed_from_nothing(node) -> bool:
+    """A tensor made from no other tensor (`torch.zeros(rows)`, `torch.full(..., -inf)`)."""
+    return node.op == "call_function" and _is_tensor_node(node) and not any(
+        _is_tensor_node(a) for a in node.all_input_nodes)
+
+
+def _condition_of(node, a) -> bool:
+    """Whether `a` is the condition of the `where` `node` (which picks per row, e.g. the block
+    a token falls in)."""
+    return catalogue.MASK_ARG.get(node.target) == 0 and node.args[0] is a
 
 
 def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Rejection]]:

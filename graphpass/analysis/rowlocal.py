@@ -226,6 +226,11 @@ def check(node, rows, layouts: dict) -> str | None:
                 isinstance(kw.get(k), (int, type(None))) for k in ("start", "end", "step")):
             return None
         return "slice over rows"
+    if target is aten.select.int:
+        # `x[..., 0]` of a one-wide value (a gathered `[rows, 1]`): the same values, as a squeeze.
+        if has_tail and _last_dim(kw.get("dim"), ndim) and known_equal(value_or_constant(first).shape[-1], 1):
+            return None
+        return f"{target_name(node)} picks along the rows or a vocabulary"
     return f"{target_name(node)} is not a row-local op"
 
 
@@ -254,6 +259,8 @@ def emit(graph: torch.fx.Graph, node, env, layouts):
     if is_pointwise(target):
         return graph.call_function(target, arg(node.args), arg(node.kwargs))
     source = node.args[0]
+    if target is aten.select.int:
+        return env[source]  # of a one-wide value (`check`): the chunk keeps it `[rows, 1]`
     if target in _VIEWS:
         if known_equal(layouts[source].width, layouts[node].width):
             return env[source]
