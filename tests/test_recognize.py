@@ -568,3 +568,44 @@ def test_symbolic_shapes():
     assert not isinstance(tensors[0].meta["val"].shape[0], int), "expected a symbolic row count"
     assert [label_output(o) for o in tensors] == [
         OutputLabel("logprob", "/ per-token"), OutputLabel("entropy", "/ 0.7"), OutputLabel("logprob")]
+
+
+# ---- an online log-sum-exp over vocabulary blocks (`analysis.vocab_blocks`) -----------------------
+
+
+def online_blocks(x, t, block=3, last=None, rescale=True, pick_from=0):
+    """Log-prob and entropy of `x / 0.7` by blocks of `block` columns up to `last` (default: all),
+    the running sums rescaled at each step (or not), the target picked from blocks `pick_from`..."""
+    m = torch.full(x.shape[:-1], float("-inf"))
+    s, e_x, target = torch.zeros(x.shape[:-1]), torch.zeros(x.shape[:-1]), torch.zeros(x.shape[:-1])
+    for a in range(0, x.shape[-1] if last is None else last, block):
+        z = x[..., a:a + block] / 0.7
+        m_new = torch.maximum(m, z.amax(-1))
+        e = torch.exp(z - m_new.unsqueeze(-1))
+        r = torch.exp(m - m_new) if rescale else 1.0
+        s, e_x, m = s * r + e.sum(-1), e_x * r + (e * z).sum(-1), m_new
+        if a >= pick_from:
+            inside = (t >= a) & (t < a + z.shape[-1])
+            picked = z.gather(-1, (t - a).clamp(0, z.shape[-1] - 1).unsqueeze(-1))[..., 0]
+            target = torch.where(inside, picked, target)
+    lse = m + torch.log(s)
+    return target - lse, lse - e_x / s
+
+
+@pytest.mark.parametrize("layout", ["2d", "3d"])
+def test_online_logsumexp_over_blocks_is_a_logprob_and_an_entropy(layout):
+    labels = output_labels(online_blocks, *inputs(layout))
+    assert labels == [OutputLabel("logprob", "/ 0.7"), OutputLabel("entropy", "/ 0.7")]
+
+
+@pytest.mark.parametrize("twin, entropy_kind", [
+    # The last column is never read: the entropy of the columns read (as of `x[:, :6]`), and a
+    # target logit missing for the tokens in the last column.
+    (dict(last=V - 3), "entropy"),
+    (dict(rescale=False), "rowwise"),  # the running sums are not rescaled when the max moves
+    (dict(pick_from=3), "entropy"),  # the target's logit of the first block is never picked
+])
+def test_online_logsumexp_that_differs_is_not_labelled(twin, entropy_kind):
+    logp, entropy = output_labels(lambda x, t: online_blocks(x, t, **twin), *inputs())
+    assert logp.kind == "rowwise"
+    assert entropy == OutputLabel(entropy_kind, "/ 0.7" if entropy_kind != "rowwise" else None)

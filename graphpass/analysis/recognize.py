@@ -30,9 +30,12 @@ always sound: an unknown tensor can only be mislabelled if a normalizer is appli
 then it *is* the logits. A leaf scaled by a scalar or a per-token ``[T, 1]`` tensor becomes a
 structural ``("scale", base, op, factor)`` key; that is where the temperature is read from.
 
-`analysis.vocab_parallel` extends the evaluator to a rank's share of sums over the vocabulary: it
-subclasses `Evaluator` and reuses its handlers (`HANDLERS`, `TRANSPARENT`, `h_sum`, `h_where`,
-`h_masked_fill`) and node helpers (`packet`, `behind_views`, `shape_of`, `classify`, `is_vocab_dim`).
+`analysis.vocab_parallel` extends the evaluator to a rank's share of sums over the vocabulary,
+`analysis.vocab_blocks` to running sums over vocabulary blocks (an online log-sum-exp): they
+subclass `Evaluator` and reuse its handlers (`HANDLERS`, `TRANSPARENT`, `h_sum`, `h_where`,
+`h_masked_fill`), node helpers (`packet`, `behind_views`, `shape_of`, `arg_of`, `classify`,
+`is_vocab_dim`, `broadcast_ok`) and linear-form helpers (`add_lin`, `scale_lin`, `const_lin`,
+`leaf_lin`, `only_const`, `pure_leaf`, `split_row_logits`, `is_one`).
 """
 
 from __future__ import annotations
@@ -103,29 +106,29 @@ class Exp:
 
 def _exp(f: Lin):
     """The form of `exp(f)`: a softmax `PW(L, 1)` when f is `x(L) - lse(L)`, else `Exp(f)`."""
-    split = _split_row_logits(f)
+    split = split_row_logits(f)
     if split is not None and split[1] == {("lse", split[0]): -1.0}:
-        return _pw(split[0], _const(1.0))
+        return _pw(split[0], const_lin(1.0))
     return Exp(tuple(sorted(f.items(), key=repr)))
 
 
-def _leaf(key) -> Lin:
+def leaf_lin(key) -> Lin:
     return {("x", key): 1.0}
 
 
-def _const(c: float) -> Lin:
+def const_lin(c: float) -> Lin:
     return {ONE: float(c)}
 
 
-def _is_one(c: float) -> bool:
+def is_one(c: float) -> bool:
     return abs(c - 1.0) < 1e-9
 
 
-def _scale(f: Lin, c: float) -> Lin:
+def scale_lin(f: Lin, c: float) -> Lin:
     return {a: k * c for a, k in f.items()}
 
 
-def _add(f: Lin, g: Lin) -> Lin:
+def add_lin(f: Lin, g: Lin) -> Lin:
     out = dict(f)
     for a, k in g.items():
         out[a] = out.get(a, 0.0) + k
@@ -133,28 +136,28 @@ def _add(f: Lin, g: Lin) -> Lin:
     return {a: k for a, k in out.items() if abs(k) > 1e-12}
 
 
-def _pure_leaf(f) -> object | None:
+def pure_leaf(f) -> object | None:
     """The key L if `f` is exactly the logits leaf x(L), else None."""
     if isinstance(f, dict) and len(f) == 1:
         (atom, k), = f.items()
-        if atom[0] == "x" and _is_one(k):
+        if atom[0] == "x" and is_one(k):
             return atom[1]
     return None
 
 
-def _only_const(f) -> float | None:
+def only_const(f) -> float | None:
     """The value if `f` is a constant, else None."""
     if isinstance(f, dict) and set(f) <= {ONE}:
         return f.get(ONE, 0.0)
     return None
 
 
-def _split_row_logits(f) -> tuple[object, Lin] | None:
+def split_row_logits(f) -> tuple[object, Lin] | None:
     """(L, c) if `f` is x(L) plus row constants c (atoms that are constant along V), else None."""
     if not isinstance(f, dict):
         return None
     wide = [(a, k) for a, k in f.items() if a[0] == "x"]
-    if len(wide) != 1 or not _is_one(wide[0][1]):
+    if len(wide) != 1 or not is_one(wide[0][1]):
         return None
     return wide[0][0][1], {a: k for a, k in f.items() if a[0] != "x"}
 
@@ -170,7 +173,7 @@ def packet(node):
     return getattr(node.target, "overloadpacket", None)
 
 
-def _arg(node: torch.fx.Node, i: int, name: str, default=None):
+def arg_of(node: torch.fx.Node, i: int, name: str, default=None):
     """Positional-or-keyword argument `i`/`name` of `node`."""
     if len(node.args) > i:
         return node.args[i]
@@ -198,7 +201,7 @@ def is_vocab_dim(tensor_node, dim) -> bool:
     return shape is not None and dim == len(shape) - 1
 
 
-def _broadcast_ok(node: torch.fx.Node, operands) -> bool:
+def broadcast_ok(node: torch.fx.Node, operands) -> bool:
     """True if every tensor operand is the output's shape, a scalar, or a keepdim row value.
 
     A narrow [T] value broadcast against [T, V] would run along V, not along the rows; only
@@ -305,8 +308,8 @@ class Evaluator:
     def __call__(self, x):
         if not isinstance(x, torch.fx.Node):
             if isinstance(x, (int, float)) and not isinstance(x, bool):
-                return _const(x)
-            return _leaf(("value", repr(x)))
+                return const_lin(x)
+            return leaf_lin(("value", repr(x)))
         if x not in self.memo:
             self.memo[x] = self._eval(x)
         return self.memo[x]
@@ -328,13 +331,13 @@ class Evaluator:
         val = fake_value(n)
         if isinstance(val, torch.Tensor) and (val.ndim == 0 or _torch_api.same_size(val.shape[-1], 1)):
             return {("c", n): 1.0}  # one value per row: a row constant
-        return _leaf(n)
+        return leaf_lin(n)
 
     # -- helpers used by handlers ---------------------------------------------------------
 
     def normalizer_input(self, x, f=None) -> tuple[object, Lin]:
         """(L, c): the logits a softmax-like op normalises, and the row constants it cancels."""
-        split = _split_row_logits(self(x) if f is None else f)
+        split = split_row_logits(self(x) if f is None else f)
         if split is not None:
             return split
         return x, {}
@@ -345,7 +348,7 @@ class Evaluator:
         if isinstance(f, Exp):  # exp(f)[y] = exp(f[y])
             g = self.gathered(src, idx, f.lin)
             return None if g is None else _exp(g)
-        if isinstance(f, PW) and f.lin == _const(1.0):  # softmax(L)[y] = exp(x(L)[y] - lse(L))
+        if isinstance(f, PW) and f.lin == const_lin(1.0):  # softmax(L)[y] = exp(x(L)[y] - lse(L))
             g = self.gathered(src, idx, {("x", f.logits): 1.0, ("lse", f.logits): -1.0})
             return None if g is None else Exp(tuple(sorted(g.items(), key=repr)))
         if not isinstance(f, dict):
@@ -355,7 +358,7 @@ class Evaluator:
         for a, k in f.items():
             # Row constants are the same at every vocabulary position, so gathering keeps them.
             atom = ("gather", a[1], key) if a[0] == "x" else a
-            out = _add(out, {atom: k})
+            out = add_lin(out, {atom: k})
         return out
 
 
@@ -380,24 +383,24 @@ def _h_neg(ev, n):
     f = ev(n.args[0])
     if isinstance(f, Exp):
         return None
-    return _pw(f.logits, _scale(f.lin, -1.0)) if isinstance(f, PW) else _scale(f, -1.0)
+    return _pw(f.logits, scale_lin(f.lin, -1.0)) if isinstance(f, PW) else scale_lin(f, -1.0)
 
 
 def _h_add_sub(sign: float):
     def handler(ev, n):
         a, b = n.args[0], n.args[1]
         alpha = n.kwargs.get("alpha", 1)
-        if not _broadcast_ok(n, (a, b)):
+        if not broadcast_ok(n, (a, b)):
             return None
         fa, fb = ev(a), ev(b)
         if isinstance(fa, dict) and isinstance(fb, dict):
-            return _add(fa, _scale(fb, sign * alpha))
+            return add_lin(fa, scale_lin(fb, sign * alpha))
         for prob, other in ((fa, fb), (fb, fa)):
-            c = _only_const(other) if isinstance(prob, (PW, Exp)) else None
+            c = only_const(other) if isinstance(prob, (PW, Exp)) else None
             if c is not None and abs(c) <= ev.eps:
                 return prob  # p + eps, a guard against log(0)
         if isinstance(fa, PW) and isinstance(fb, PW) and fa.logits == fb.logits:
-            return _pw(fa.logits, _add(fa.lin, _scale(fb.lin, sign * alpha)))
+            return _pw(fa.logits, add_lin(fa.lin, scale_lin(fb.lin, sign * alpha)))
         return None
 
     return handler
@@ -406,11 +409,11 @@ def _h_add_sub(sign: float):
 def _h_rsub(ev, n):
     a, b = n.args[0], n.args[1]  # b - alpha * a
     alpha = n.kwargs.get("alpha", 1)
-    if not _broadcast_ok(n, (a, b)):
+    if not broadcast_ok(n, (a, b)):
         return None
     fa, fb = ev(a), ev(b)
     if isinstance(fa, dict) and isinstance(fb, dict):
-        return _add(fb, _scale(fa, -alpha))
+        return add_lin(fb, scale_lin(fa, -alpha))
     return None
 
 
@@ -424,34 +427,34 @@ def _scale_form(f, factor_arg, op: str):
     factor = _scale_factor(factor_arg)
     if factor is None:
         return None
-    base = _pure_leaf(f)
+    base = pure_leaf(f)
     if base is not None:
-        return _leaf(("scale", base, op, factor))
+        return leaf_lin(("scale", base, op, factor))
     if isinstance(factor, float) and factor != 0.0 and not isinstance(f, Exp):
         c = factor if op == "*" else 1.0 / factor
-        return _pw(f.logits, _scale(f.lin, c)) if isinstance(f, PW) else _scale(f, c)
+        return _pw(f.logits, scale_lin(f.lin, c)) if isinstance(f, PW) else scale_lin(f, c)
     return None
 
 
 def _h_mul(ev, n):
     a, b = n.args[0], n.args[1]
-    if not _broadcast_ok(n, (a, b)):
+    if not broadcast_ok(n, (a, b)):
         return None
     fa, fb = ev(a), ev(b)
     if isinstance(fa, Exp) and isinstance(fb, Exp):
-        return _exp(_add(fa.lin, fb.lin))
+        return _exp(add_lin(fa.lin, fb.lin))
     # Products of a probability with a linear form are the summands of expectations.
     for p, g in ((fa, fb), (fb, fa)):
         if isinstance(p, PW) and isinstance(g, dict):
-            pc, gc = _only_const(p.lin), _only_const(g)
+            pc, gc = only_const(p.lin), only_const(g)
             if pc is not None:
-                return _pw(p.logits, _scale(g, pc))
+                return _pw(p.logits, scale_lin(g, pc))
             if gc is not None:
-                return _pw(p.logits, _scale(p.lin, gc))
+                return _pw(p.logits, scale_lin(p.lin, gc))
             return None
     if isinstance(fa, dict) and isinstance(fb, dict):
         for data, other, f_other in ((a, b, fb), (b, a, fa)):
-            if _only_const(f_other) is not None and not isinstance(other, torch.fx.Node):
+            if only_const(f_other) is not None and not isinstance(other, torch.fx.Node):
                 return _scaled(ev, n, data, other, "*")
         for data, other in ((a, b), (b, a)):
             out = _scaled(ev, n, data, other, "*")
@@ -463,13 +466,13 @@ def _h_mul(ev, n):
 def _h_div(ev, n):
     if n.kwargs.get("rounding_mode") is not None or len(n.args) > 2:
         return None
-    if not _broadcast_ok(n, n.args[:2]):
+    if not broadcast_ok(n, n.args[:2]):
         return None
     fa, fb = ev(n.args[0]), ev(n.args[1])
     if isinstance(fa, (Exp, PW)) and isinstance(fb, Exp):  # e / e.sum(-1): a softmax by hand
         top = fa.lin if isinstance(fa, Exp) else (
-            {("x", fa.logits): 1.0, ("lse", fa.logits): -1.0} if fa.lin == _const(1.0) else None)
-        return None if top is None else _exp(_add(top, _scale(fb.lin, -1.0)))
+            {("x", fa.logits): 1.0, ("lse", fa.logits): -1.0} if fa.lin == const_lin(1.0) else None)
+        return None if top is None else _exp(add_lin(top, scale_lin(fb.lin, -1.0)))
     return _scaled(ev, n, n.args[0], n.args[1], "/")
 
 
@@ -484,15 +487,15 @@ def _h_softmax(ev, n):
     if not is_vocab_dim(n.args[0], n.args[1]):
         return None
     L, _ = ev.normalizer_input(n.args[0])
-    return _pw(L, _const(1.0))
+    return _pw(L, const_lin(1.0))
 
 
 def _h_logsumexp(ev, n):
-    if not is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
+    if not is_vocab_dim(n.args[0], arg_of(n, 1, "dim")):
         return None
     L, row_consts = ev.normalizer_input(n.args[0])
     # logsumexp(x + c) = logsumexp(x) + c for a row constant c.
-    return _add({("lse", L): 1.0}, row_consts)
+    return add_lin({("lse", L): 1.0}, row_consts)
 
 
 def _h_gather(ev, n):
@@ -503,19 +506,19 @@ def _h_gather(ev, n):
 
 
 def _h_take_along_dim(ev, n):
-    src, idx, dim = n.args[0], n.args[1], _arg(n, 2, "dim")
+    src, idx, dim = n.args[0], n.args[1], arg_of(n, 2, "dim")
     if dim is None or not is_vocab_dim(src, dim) or shape_of(idx) is None or shape_of(idx)[-1] != 1:
         return None
     return ev.gathered(src, idx)
 
 
 def h_sum(ev, n):
-    if not is_vocab_dim(n.args[0], _arg(n, 1, "dim")):
+    if not is_vocab_dim(n.args[0], arg_of(n, 1, "dim")):
         return None
     f = ev(n.args[0])
     if isinstance(f, Exp):  # sum_v exp(x_v + c) = exp(lse + c) for row constants c
-        split = _split_row_logits(f.lin)
-        return None if split is None else _exp(_add({("lse", split[0]): 1.0}, split[1]))
+        split = split_row_logits(f.lin)
+        return None if split is None else _exp(add_lin({("lse", split[0]): 1.0}, split[1]))
     if not isinstance(f, PW):
         return None  # a sum of logits or of log-probs is not an expectation
     out: Lin = {}
@@ -523,7 +526,7 @@ def h_sum(ev, n):
         if a[0] == "x" and a[1] != f.logits:
             return None
         # sum_v p_v x_v is the atom sumpx; sum_v p_v c = c for a row constant c.
-        out = _add(out, {("sumpx", f.logits) if a[0] == "x" else a: k})
+        out = add_lin(out, {("sumpx", f.logits) if a[0] == "x" else a: k})
     return out
 
 
@@ -536,21 +539,21 @@ def _h_log(ev, n):
     f = ev(n.args[0])
     if isinstance(f, Exp):
         return f.lin
-    if isinstance(f, PW) and f.lin == _const(1.0):
+    if isinstance(f, PW) and f.lin == const_lin(1.0):
         return {("x", f.logits): 1.0, ("lse", f.logits): -1.0}  # log(softmax(L))
     return None
 
 
 def _h_entr(ev, n):
     f = ev(n.args[0])
-    if isinstance(f, PW) and f.lin == _const(1.0):
+    if isinstance(f, PW) and f.lin == const_lin(1.0):
         # entr(p) = -p * log(p) = p * (lse - x)
         return _pw(f.logits, {("x", f.logits): -1.0, ("lse", f.logits): 1.0})
     return None
 
 
 def _h_clamp(ev, n):
-    lo, hi = _arg(n, 1, "min"), _arg(n, 2, "max")
+    lo, hi = arg_of(n, 1, "min"), arg_of(n, 2, "max")
     val = fake_value(n)
     if hi is not None or not isinstance(lo, float) or not isinstance(val, torch.Tensor):
         return None
@@ -561,20 +564,20 @@ def _h_clamp(ev, n):
 
 
 def h_masked_fill(ev, n):
-    base = _pure_leaf(ev(n.args[0]))
+    base = pure_leaf(ev(n.args[0]))
     if base is None:
         return None
     # A masked leaf is new logits; keeping the base in its key keeps its temperature readable.
-    return _leaf(("mask", base, n))
+    return leaf_lin(("mask", base, n))
 
 
 def h_where(ev, n):
     a, b = n.args[1], n.args[2]  # the condition: any per-element mask
     for data, fill in ((a, b), (b, a)):
-        base = _pure_leaf(ev(data)) if isinstance(data, torch.fx.Node) else None
+        base = pure_leaf(ev(data)) if isinstance(data, torch.fx.Node) else None
         if base is not None and _scale_factor(fill) is not None and \
                 _torch_api.same_shape(shape_of(data) or (), shape_of(n) or (None,)):
-            return _leaf(("mask", base, n))
+            return leaf_lin(("mask", base, n))
     return None
 
 
@@ -602,8 +605,8 @@ def _class_dim_form(ev, x):
 
 
 def _h_cross_entropy(ev, n):
-    weight, reduction = _arg(n, 2, "weight"), _arg(n, 3, "reduction", 1)
-    smoothing = _arg(n, 5, "label_smoothing", 0.0)
+    weight, reduction = arg_of(n, 2, "weight"), arg_of(n, 3, "reduction", 1)
+    smoothing = arg_of(n, 5, "label_smoothing", 0.0)
     f = _class_dim_form(ev, n.args[0])
     if weight is not None or reduction != 0 or smoothing != 0.0 or f is None:
         return None
@@ -612,12 +615,12 @@ def _h_cross_entropy(ev, n):
 
 
 def _h_nll_loss(ev, n):
-    weight, reduction = _arg(n, 2, "weight"), _arg(n, 3, "reduction", 1)
+    weight, reduction = arg_of(n, 2, "weight"), arg_of(n, 3, "reduction", 1)
     f = _class_dim_form(ev, n.args[0])
     if weight is not None or reduction != 0 or f is None:
         return None
     g = ev.gathered(n.args[0], n.args[1], f)
-    return None if g is None else _scale(g, -1.0)
+    return None if g is None else scale_lin(g, -1.0)
 
 
 HANDLERS = {
@@ -662,7 +665,7 @@ Evaluator.handlers = HANDLERS
 def _temperature(key) -> str | None:
     """The scalings recorded in a logits key, innermost first, e.g. "/ 0.7"; None if unscaled."""
     parts = []
-    while isinstance(key, tuple) and key and key[0] in ("scale", "mask"):
+    while isinstance(key, tuple) and key and key[0] in ("scale", "mask", "cols"):
         if key[0] == "scale":
             parts.append(_factor_desc(key[2], key[3]))
         key = key[1]
@@ -673,7 +676,7 @@ def classify(f) -> OutputLabel:
     """Match a normal form against the log-prob and entropy forms and their negations."""
     label = _classify_positive(f)
     if label.kind == ROWWISE and isinstance(f, dict):
-        negated = _classify_positive(_scale(f, -1.0))
+        negated = _classify_positive(scale_lin(f, -1.0))
         if negated.kind != ROWWISE:
             return OutputLabel("-" + negated.kind, negated.temperature)
     return label
@@ -685,11 +688,11 @@ def _classify_positive(f) -> OutputLabel:
     by_kind = {a[0]: (a, k) for a, k in f.items()}
     if set(by_kind) == {"gather", "lse"}:
         (g, kg), (l, kl) = by_kind["gather"], by_kind["lse"]
-        if g[1] == l[1] and _is_one(kg) and _is_one(-kl):
+        if g[1] == l[1] and is_one(kg) and is_one(-kl):
             return OutputLabel(LOGPROB, _temperature(l[1]))
     if set(by_kind) == {"lse", "sumpx"}:
         (l, kl), (s, ks) = by_kind["lse"], by_kind["sumpx"]
-        if l[1] == s[1] and _is_one(kl) and _is_one(-ks):
+        if l[1] == s[1] and is_one(kl) and is_one(-ks):
             return OutputLabel(ENTROPY, _temperature(l[1]))
     return OutputLabel(ROWWISE)
 
@@ -700,7 +703,7 @@ def _cat_parts(node: torch.fx.Node) -> list | None:
         node = node.args[0]
     if packet(node) is not aten.cat:
         return None
-    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    parts, dim = node.args[0], arg_of(node, 1, "dim", 0)
     shape = shape_of(node)
     if shape is None or (len(shape) > 1 and is_vocab_dim(node, dim)):
         return None
@@ -713,4 +716,7 @@ def label_output(node: torch.fx.Node) -> OutputLabel:
     if parts:
         labels = {label_output(p) for p in parts}
         return labels.pop() if len(labels) == 1 else OutputLabel(ROWWISE)
-    return classify(Evaluator()(node))
+    from graphpass.analysis.vocab_blocks import BlockEvaluator  # extends this module's evaluator
+
+    shape = shape_of(node) or ()
+    return classify(BlockEvaluator(shape[:-1] if shape and _torch_api.same_size(shape[-1], 1) else shape)(node))
