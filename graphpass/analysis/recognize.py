@@ -33,9 +33,9 @@ structural ``("scale", base, op, factor)`` key; that is where the temperature is
 `analysis.vocab_parallel` extends the evaluator to a rank's share of sums over the vocabulary,
 `analysis.vocab_blocks` to running sums over vocabulary blocks (an online log-sum-exp): they
 subclass `Evaluator` and reuse its handlers (`HANDLERS`, `TRANSPARENT`, `h_sum`, `h_where`,
-`h_masked_fill`), node helpers (`packet`, `behind_views`, `shape_of`, `arg_of`, `classify`,
-`is_vocab_dim`, `broadcast_ok`) and linear-form helpers (`add_lin`, `scale_lin`, `const_lin`,
-`leaf_lin`, `only_const`, `pure_leaf`, `split_row_logits`, `is_one`).
+`h_masked_fill`), node helpers (`packet`, `behind_views`, `shape_of`, `arg_of`, `range_test`,
+`classify`, `is_vocab_dim`, `broadcast_ok`) and linear-form helpers (`add_lin`, `scale_lin`,
+`const_lin`, `leaf_lin`, `only_const`, `pure_leaf`, `split_row_logits`, `is_one`).
 """
 
 from __future__ import annotations
@@ -291,6 +291,26 @@ def behind_views(node):
     while packet(node) in TRANSPARENT:
         node = node.args[0]
     return node
+
+
+_AND = {aten.__and__, aten.bitwise_and, aten.logical_and}
+_OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
+
+
+def range_test(node, outside: bool = False) -> tuple | None:
+    """(t, s, e) if `node` tests token ids `t` against the columns [s, e): `(t >= s) & (t < e)`,
+    or with `outside`, `(t < s) | (t >= e)` (either operand first); else None."""
+    node = behind_views(node)
+    low, high = (aten.lt, aten.ge) if outside else (aten.ge, aten.lt)
+    if packet(node) not in (_OR if outside else _AND):
+        return None
+    first, second = (behind_views(a) for a in node.args[:2])
+    if packet(first) is high:
+        first, second = second, first
+    if packet(first) is not low or packet(second) is not high:
+        return None
+    t = behind_views(first.args[0])
+    return (t, first.args[1], second.args[1]) if behind_views(second.args[0]) is t else None
 
 
 class Evaluator:

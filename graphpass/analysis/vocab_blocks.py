@@ -273,22 +273,6 @@ def _div(ev, n):
     return recognize.HANDLERS[aten.div](ev, n)
 
 
-def _block_condition(node):
-    """(y, a, b) if `node` is `(y >= a) & (y < b)`, else None."""
-    node = recognize.behind_views(node)
-    if recognize.packet(node) not in (aten.bitwise_and, aten.logical_and, aten.__and__):
-        return None
-    ge, lt = (recognize.behind_views(x) for x in node.args[:2])
-    if recognize.packet(ge) is aten.lt:
-        ge, lt = lt, ge
-    if recognize.packet(ge) is not aten.ge or recognize.packet(lt) is not aten.lt:
-        return None
-    y = recognize.behind_views(ge.args[0])
-    if recognize.behind_views(lt.args[0]) is not y or not all(isinstance(v, int) for v in (ge.args[1], lt.args[1])):
-        return None
-    return y, ge.args[1], lt.args[1]
-
-
 def _offset_index(index, y, a, b) -> bool:
     """Whether `index` is `y - a` on the rows where `a <= y < b` (clamped to the block or not)."""
     if recognize.packet(index) in (aten.clamp, aten.clamp_min, aten.clamp_max):
@@ -304,9 +288,10 @@ def _offset_index(index, y, a, b) -> bool:
 
 
 def _where(ev, n):
-    found = _block_condition(n.args[0])
+    found = recognize.range_test(n.args[0])  # the token falls in the block
     picked, rest = ev(n.args[1]), ev(n.args[2])
-    if found is None or not isinstance(picked, dict) or len(picked) != 1:
+    if found is None or not all(isinstance(v, int) for v in found[1:]) or not isinstance(picked, dict) \
+            or len(picked) != 1:
         return recognize.h_where(ev, n)
     y, a, b = found
     (atom, k), = picked.items()

@@ -78,7 +78,6 @@ class _Owned:
 
 
 _COLLECTIVES = _torch_api.functional_collectives
-_OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
 
 
 def _constant(gm, x):
@@ -159,19 +158,11 @@ class _ShardEvaluator(recognize.Evaluator):
     # -- the ownership pattern -------------------------------------------------------------
     def ownership_mask(self, node):
         """The target `t` if `node` is `(t < s) | (t >= e)` for this rank's columns [s, e), else None."""
-        node = recognize.behind_views(node)
-        if recognize.packet(node) not in _OR:
+        found = recognize.range_test(node, outside=True)
+        if found is None or found[0].op != "placeholder":
             return None
-        below, above = (recognize.behind_views(a) for a in node.args[:2])
-        if recognize.packet(below) is aten.ge:
-            below, above = above, below
-        if recognize.packet(below) is not aten.lt or recognize.packet(above) is not aten.ge:
-            return None
-        t = recognize.behind_views(below.args[0])
-        if recognize.behind_views(above.args[0]) is not t or t.op != "placeholder":
-            return None
-        if _constant(self.gm, below.args[1]) != self.first_column or \
-                _constant(self.gm, above.args[1]) != self.first_column + self.width:
+        t, s, e = found
+        if _constant(self.gm, s) != self.first_column or _constant(self.gm, e) != self.first_column + self.width:
             return None
         return t
 
