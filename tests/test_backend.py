@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -159,16 +160,37 @@ def online_logprob_entropy(logits, tokens, block=10):
     return -logp.mean() - 0.01 * entropy.mean(), entropy.detach()
 
 
-@pytest.mark.parametrize("rows", [(9,), (2, 5)])
-def test_online_logsumexp_over_vocabulary_blocks_is_chunked_exactly(rows):
+@pytest.mark.parametrize("rows, block", [((9,), 10), ((2, 5), 10), ((9,), 12)])  # 12: the last block one wide
+def test_online_logsumexp_over_vocabulary_blocks_is_chunked_exactly(rows, block):
     # Each block's statistics depend on the previous block's: the loop is one row-local region
     # (it used to be rejected, each block "reading its own outputs"), run as written, by rows.
     backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
-    _check_parity(online_logprob_entropy, backend, *rows, dtype=torch.float64, atol=1e-12)
+    _check_parity(functools.partial(online_logprob_entropy, block=block), backend, *rows, dtype=torch.float64,
+                  atol=1e-12)
     (site,) = [site for record in backend.records for site in record.sites]
     # Its outputs are what the loop computes, the log-prob and the entropy, not each block's share.
     assert [(o.kind, o.temperature) for o in site.outputs] == [("logprob", "/ 0.7"), ("entropy", "/ 0.7")]
     assert not [r for rec in backend.records for r in rec.rejected if "own outputs" in r.reason]
+
+
+def test_online_logsumexp_of_the_output_layer_fuses_the_lm_head():
+    def loss(hidden, weight, tokens):
+        return online_logprob_entropy(F.linear(hidden, weight), tokens, block=8)
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, V, (11,), generator=g)
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    out = torch.compile(loss, backend=backend)(hidden, weight, tokens)
+    grads = torch.autograd.grad(out[0], (hidden, weight))
+    ref = loss(hidden, weight, tokens)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, torch.autograd.grad(ref[0], (hidden, weight))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    (site,) = backend.records[0].sites
+    assert site.lm_head and site.kind == "logprob+entropy"
 
 
 def test_nothing_to_rewrite_runs_unchanged():

@@ -140,7 +140,8 @@ class _Grower:
                     # A wide input (the logits): its other row-local readers belong here too,
                     # e.g. the gather in `gather(x) - logsumexp(x)`.
                     self._add_users(p, frontier)
-            if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), (tuple, list)):
+            if wide or node.target is operator.getitem or isinstance(node.meta.get("val"), (tuple, list)) \
+                    or self._one_wide_block(node):
                 self._add_users(node, frontier)
         self._absorb_narrow_closure()
         while self._absorb_recurrences() | self._absorb_accumulators():
@@ -156,6 +157,17 @@ class _Grower:
                 return "its [rows, V] values are needed outside it"
             self.anchor = anchors[0]
         return None
+
+    def _one_wide_block(self, node) -> bool:
+        """Whether `node` is a one-wide slice of a wide value, or elementwise math on one (`x[:, 36:45]
+        / t` of 37 columns): a loop's last vocabulary block when the block size leaves one column,
+        whose readers belong here as the other blocks' do."""
+        if not _is_tensor_node(node) or not known_equal(node.meta["val"].shape[-1], 1):
+            return False
+        if node.target is aten.slice.Tensor:
+            return self.is_wide(node.args[0])
+        return rowlocal.is_pointwise(node.target) and any(
+            a in self.nodes and self._one_wide_block(a) for a in rowlocal.data_inputs(node))
 
     def _add_users(self, node, frontier):
         """Add every row-local reader of `node` to the region and to the frontier."""
