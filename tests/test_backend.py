@@ -193,6 +193,43 @@ def test_online_logsumexp_of_the_output_layer_fuses_the_lm_head():
     assert site.lm_head and site.kind == "logprob+entropy"
 
 
+def manual_logprob_entropy(logits, tokens, shift="detached", keepdim=False, pick="select", entropy=True):
+    """A stable log-softmax written out by hand (slime's and Megatron's inline math): shift by the
+    row max, then `x_t - log(sum(exp(x)))`, the entropy `log(s) - sum(p * x)`; with or without
+    keepdim, the picked logit squeezed by `[..., 0]` or `squeeze(-1)`."""
+    x = logits / 0.7
+    if shift is not None:
+        m = x.amax(-1, keepdim=True)
+        x = x - (m.detach() if shift == "detached" else m)
+    picked = x.gather(-1, tokens.unsqueeze(-1))
+    s = x.exp().sum(-1, keepdim=keepdim)
+    log_s = s.log() if not keepdim else (s.log()[..., 0] if pick == "select" else s.log().squeeze(-1))
+    picked = picked[..., 0] if pick == "select" else picked.squeeze(-1)
+    logp = picked - log_s
+    loss = -logp.mean()
+    if not entropy:
+        return loss, logp.detach()
+    p = x.exp() / (s if keepdim else s.unsqueeze(-1))
+    ent = log_s - (p * x).sum(-1)
+    return loss - 0.01 * ent.mean(), ent.detach()
+
+
+@pytest.mark.parametrize("rows", [(9,), (2, 5)])
+@pytest.mark.parametrize("shift, keepdim, pick, entropy", [
+    ("detached", False, "select", True), ("detached", True, "select", False), (None, False, "select", False),
+    ("kept", False, "squeeze", True), ("kept", True, "squeeze", True), (None, True, "select", True)])
+def test_a_log_softmax_written_out_is_one_site(rows, shift, keepdim, pick, entropy):
+    # `x.gather(...)[..., 0] - s.log()` on [rows] values: the subtraction finishes the log-prob
+    # inside the region (a select of a one-wide dim is a squeeze); it used to stay outside, the
+    # region's outputs the picked logit and log(s), labelled rowwise.
+    fn = functools.partial(manual_logprob_entropy, shift=shift, keepdim=keepdim, pick=pick, entropy=entropy)
+    backend = graphpass.Backend(chunk_size=4, inner="aot_eager")
+    _check_parity(fn, backend, *rows, dtype=torch.float64, atol=1e-12)
+    (site,) = [site for record in backend.records for site in record.sites]
+    assert site.kind == ("logprob+entropy" if entropy else "logprob")
+    assert all(o.temperature == "/ 0.7" for o in site.outputs)
+
+
 def test_nothing_to_rewrite_runs_unchanged():
     def loss(logits, tokens):
         return ((logits * 2).sum(-1).mean(),)
