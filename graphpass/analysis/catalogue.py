@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from graphpass._torch_api import is_aten_overload, known_equal
+from graphpass._torch_api import is_aten_overload
 
 aten = torch.ops.aten
 
@@ -76,19 +76,14 @@ FINISHING = {
     aten.neg.default, aten.log.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
     aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.view_as.default,
     aten.reshape_as.default, aten.to.dtype, aten._to_copy.default, operator.getitem,
+    # `x.gather(-1, t[:, None])[:, 0]`: a squeeze written as an index (`rowlocal.check` admits a
+    # select only of a one-wide last dim).
+    aten.select.int,
 }
 #: Finishing only as the sole reader of their input (`-x.sum(-1).detach()`); beside other readers
 #: they make a logged copy, which stays outside rather than becoming a second output.
 FINISHING_IF_ONLY_READER = {aten.detach.default, aten.alias.default}
 
-
-def squeezes(node) -> bool:
-    """A `select` of a size-1 dim (`x.gather(-1, t[:, None])[:, 0]`): a squeeze written as an index,
-    which finishes a quantity as `squeeze` does."""
-    if node.target is not aten.select.int or not isinstance(node.args[0], torch.fx.Node):
-        return False
-    source = node.args[0].meta.get("val")
-    return isinstance(source, torch.Tensor) and known_equal(source.shape[node.args[1]], 1) and node.args[2] in (0, -1)
 
 # ---- gradients ------------------------------------------------------------------------------------------
 #: Ops whose result carries no gradient to their inputs (or a zero one).

@@ -186,7 +186,7 @@ class _Grower:
                     if u in self.nodes or u.op != "call_function":
                         continue
                     inputs = [a for a in rowlocal.data_inputs(u) if _is_tensor_node(a)]
-                    finishing = (u.target in catalogue.FINISHING or catalogue.squeezes(u) or len(set(inputs)) >= 2
+                    finishing = (u.target in catalogue.FINISHING or len(set(inputs)) >= 2
                                  or (u.target in catalogue.FINISHING_IF_ONLY_READER and len(node.users) == 1))
                     if finishing and all(a in self.nodes for a in inputs) and self.try_add(u) is None:
                         changed = True
