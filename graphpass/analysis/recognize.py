@@ -583,6 +583,14 @@ def _h_clamp(ev, n):
     return ev(n.args[0])
 
 
+def h_select_unit(ev, n):
+    """`x[:, 0]` of a `[T, 1]` value: the same values, one dim fewer (a view); other selects
+    are unknown. Not in `HANDLERS`: regions end a quantity at such a select (`catalogue.FINISHING`);
+    the evaluators that read a Function's forward whole see through it."""
+    shape = shape_of(n.args[0])
+    return ev(n.args[0]) if shape is not None and _torch_api.same_size(shape[n.args[1]], 1) else None
+
+
 def h_masked_fill(ev, n):
     base = pure_leaf(ev(n.args[0]))
     if base is None:

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from graphpass._torch_api import same_shape, same_size
+from graphpass._torch_api import same_shape
 from graphpass.analysis import recognize
 from graphpass.analysis.recognize import ONE, Exp, Lin
 from graphpass.fx_utils import fake_value
@@ -214,11 +214,6 @@ def _fill(ev, n):
     return None
 
 
-def _select_unit(ev, n):
-    shape = recognize.shape_of(n.args[0])
-    return ev(n.args[0]) if shape is not None and same_size(shape[n.args[1]], 1) else None
-
-
 def _add_sub(sign: float):
     base = recognize.HANDLERS[aten.add if sign > 0 else aten.sub]
 
@@ -317,7 +312,7 @@ BlockEvaluator.handlers = {
     aten.div: _scale_block(_div),
     aten.zeros: _fill,
     aten.full: _fill,
-    aten.select: _select_unit,
+    aten.select: recognize.h_select_unit,
     aten.add: _add_sub(1.0),
     aten.sub: _add_sub(-1.0),
     aten.sum: _sum,

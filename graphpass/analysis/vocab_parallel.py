@@ -219,14 +219,6 @@ def _passes_shares(base):
     return handler
 
 
-def _select_unit(ev, n):
-    """`x[:, 0]` of a `[T, 1]` value: the same values, one dim fewer (a view)."""
-    shape = recognize.shape_of(n.args[0])
-    if shape is None or not _torch_api.same_size(shape[n.args[1]], 1):
-        return None
-    return ev(n.args[0])
-
-
 def _local_sum(ev, n):
     f = recognize.h_sum(ev, n)
     return None if f is None else _Partial(f)
@@ -287,7 +279,7 @@ _SHARD_HANDLERS = {
     **{p: _not_understood for p in (aten.log_softmax, aten._log_softmax, aten.softmax, aten._softmax,
                                     aten.logsumexp, aten.take_along_dim, aten.cross_entropy_loss,
                                     aten.nll_loss_nd, aten.nll_loss)},
-    aten.select: _select_unit,
+    aten.select: recognize.h_select_unit,
     aten.sum: _local_sum,
     aten.gather: _gather,
     aten.index: _index,
@@ -409,7 +401,7 @@ def _full_index(ev, n):
     return None if picked is None else ev.gathered(*picked)
 
 
-_OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: _select_unit, aten.index: _full_index}
+_OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: recognize.h_select_unit, aten.index: _full_index}
 
 
 def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParallelMatch | None:
