@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from bench import gpu, lm_head
-from bench.harness.meters import _timed
+from bench.harness.meters import timed
 from graphpass.ops.lm_head import LinearHeadProgram
 
 
@@ -73,7 +73,7 @@ def profile(step, device: str, rows: int = 12) -> tuple[float, float, str]:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        seconds = _timed(step, device)
+        seconds = timed(step, device)
     events = prof.key_averages()
     # Self time: the kernels themselves, not the ops and compiled regions around them.
     attribute = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     for method, chunk, layout in configurations:
         LinearHeadProgram.tiles_column_major = layout == "width-rows"
         step, notes = step_function(case, method, chunk or None, device, compiler)
-        first = _timed(step, device)
-        times = [_timed(step, device) for _ in range(args.steps)]
+        first = timed(step, device)
+        times = [timed(step, device) for _ in range(args.steps)]
         peak = _peak_bytes(step, device)
         seconds, busy, table = profile(step, device)
         chunk_rows = notes().get("chunk_rows")

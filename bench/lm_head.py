@@ -45,7 +45,7 @@ from pathlib import Path
 
 from bench.harness.isolate import run_isolated
 from bench.harness.machine_info import GiB, fill_device_and_memory_limit, machine_description
-from bench.harness.meters import CpuMeter, CudaMeter, _timed
+from bench.harness.meters import CpuMeter, CudaMeter, timed
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = ("ppo", "ppo_outside", "ce")
@@ -416,14 +416,14 @@ def measure(spec: HeadSpec) -> dict:
         meter.sync()
 
     compiled = spec.warmup or spec.method in FIRST_CALL_COMPILES
-    first_call_s = _timed(step, spec.device) if compiled else None
+    first_call_s = timed(step, spec.device) if compiled else None
     times, peaks = [], []
     while len(times) < spec.min_steps or (
             len(times) < spec.steps and sum(times) + statistics.median(times) <= spec.time_budget_s):
         hidden.grad = weight.grad = None
         loss = None
         meter.reset()
-        times.append(_timed(step, spec.device))
+        times.append(timed(step, spec.device))
         peaks.append(meter.peak())
     result = dict(status="ok", peak_bytes=max(peaks), peaks=peaks, ratio=max(peaks) / spec.floor_bytes,
                   time_s=statistics.median(times), times=times, first_call_s=first_call_s or times[0],
@@ -469,7 +469,7 @@ def measure_ab(spec: HeadSpec) -> dict:
     times = {m: [] for m in fns}
     for _ in range(spec.steps):
         for m, fn in fns.items():
-            times[m].append(_timed(lambda: step(fn), spec.device))
+            times[m].append(timed(lambda: step(fn), spec.device))
     pairs = {m: [t / i for t, i in zip(times[m], times["inductor"])] for m in fns if m != "inductor"}
     return dict(status="ok", times=times, inductor_s=statistics.median(times["inductor"]),
                 graphpass_s=statistics.median(times["graphpass"]), ratio=statistics.median(pairs["graphpass"]),

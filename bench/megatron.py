@@ -136,9 +136,9 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
     import torch.distributed as dist
 
     from bench.harness.meters import CpuMeter
-    from bench.tp import _graphpass_summary, _max_rel_diff, _profiled, _set_malloc
+    from bench.tp import graphpass_summary, max_rel_diff, profiled, set_malloc
 
-    pinned = _set_malloc(2**20, 128 * 2**10)  # before the first large allocation: see bench.tp.run_config
+    pinned = set_malloc(2**20, 128 * 2**10)  # before the first large allocation: see bench.tp.run_config
     load = [os.getloadavg()[0]]
     layer = _output_layer(spec, world)
     hidden, target, old_log_prob, advantages = _inputs(spec)
@@ -197,7 +197,7 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
             clear()
     load.append(os.getloadavg()[0])
 
-    _set_malloc(32 * 2**20, 64 * 2**20)  # time: malloc reuses freed temporaries (bench.tp.run_config)
+    set_malloc(32 * 2**20, 64 * 2**20)  # time: malloc reuses freed temporaries (bench.tp.run_config)
 
     def another_round(rounds) -> bool:
         """`bench.tp`'s rule: `min_steps` rounds at least, `steps` at most, while the next fits the budget."""
@@ -218,7 +218,7 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
     reference = None
     for method in spec.methods:
         clear()
-        issued = _profiled(lambda: step(method))
+        issued = profiled(lambda: step(method))
         result = out["methods"][method]
         values = [state["loss"].detach().double().reshape(1, 1), hidden.grad.detach(), layer.weight.grad.detach()]
         result.update(peak_bytes=max(result["peaks"]), time_s=statistics.median(times[method]), times=times[method],
@@ -227,13 +227,13 @@ def _run_methods(rank: int, world: int, spec: MegatronSpec) -> dict:
         if method == "eager":
             reference = [v.clone() for v in values]
         if reference is not None:
-            diffs = [_max_rel_diff(mine, theirs) for mine, theirs in zip(values, reference)]
+            diffs = [max_rel_diff(mine, theirs) for mine, theirs in zip(values, reference)]
             result.update(loss_diff=diffs[0], grad_diff=max(diffs[1:]), parity=max(diffs))
         if method == "inductor":
             result["inductor_graphs"] = len(inductor_graphs)
         if method == "graphpass":
             sites = [s for r in backend.records for s in r.sites]
-            result["graphpass"] = dict(_graphpass_summary(backend, world), lm_head_sites=sum(s.lm_head for s in sites),
+            result["graphpass"] = dict(graphpass_summary(backend, world), lm_head_sites=sum(s.lm_head for s in sites),
                                        gradients_in_forward_sites=sum(s.gradients_in_forward for s in sites),
                                        lm_head_reasons=[s.lm_head_reason for s in sites if s.lm_head_reason],
                                        recompute_reasons=[s.recompute_reason for s in sites if s.recompute_reason])
@@ -248,11 +248,11 @@ def run(spec: MegatronSpec, world: int = TP) -> list[dict]:
     """One row per method of `spec` (status "error" for all when the spawn failed)."""
     from bench.harness.ranks import RankFailed, run_ranks
 
-    from bench.tp import _timeout_s
+    from bench.tp import spawn_timeout_s
 
     base = dict(code=spec.code, S=spec.S, B=spec.B, H=spec.H, V=spec.V, tp=world, floor_bytes=spec.floor_bytes(world))
     try:
-        per_rank = run_ranks(run_config, world, args=(spec,), timeout_s=_timeout_s(spec))
+        per_rank = run_ranks(run_config, world, args=(spec,), timeout_s=spawn_timeout_s(spec))
     except RankFailed as error:
         note = str(error).strip().splitlines()
         return [dict(base, method=m, status="error", note=" | ".join(note[:1] + note[-3:])[:800]) for m in spec.methods]

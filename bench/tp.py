@@ -172,7 +172,7 @@ def _build(method: str, spec: TpSpec):
     return torch.compile(fn, backend=backend), backend
 
 
-def _max_rel_diff(a, b, block_rows: int = 512) -> float:
+def max_rel_diff(a, b, block_rows: int = 512) -> float:
     """max |a - b| / max |b|, in float64, row block by row block (no full-size temporary)."""
     a, b = a.reshape(-1, a.shape[-1] if a.ndim else 1), b.reshape(-1, b.shape[-1] if b.ndim else 1)
     diff, scale = 0.0, 0.0
@@ -183,7 +183,7 @@ def _max_rel_diff(a, b, block_rows: int = 512) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _graphpass_summary(backend, world: int) -> dict:
+def graphpass_summary(backend, world: int) -> dict:
     """What graphpass compiled: vocab-parallel sites, their collectives, fallbacks and rejections."""
     sites = [s for r in backend.records for s in r.sites]
     tp_sites = [s for s in sites if s.tp_size == world]
@@ -200,7 +200,7 @@ def _graphpass_summary(backend, world: int) -> dict:
     )
 
 
-def _profiled(step) -> list[str]:
+def profiled(step) -> list[str]:
     """Run `step` once under the profiler; the collectives it issued at the process group, in order.
 
     `bench.harness.ranks.collectives()` sees calls through `torch.distributed`'s Python functions: eager
@@ -277,7 +277,7 @@ def run_config(rank: int, world: int, spec: TpSpec) -> dict:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
-def _set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
+def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
     """glibc: map new allocations of `mmap_threshold` bytes or more (when no free heap chunk fits),
     return heap tops above `trim_threshold`; fixed from now on (no dynamic threshold). False if not glibc."""
     import ctypes
@@ -298,7 +298,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     from bench.harness.ranks import collectives, device, synchronize
 
     # Before the first large allocation: see run_config.
-    pinned = _set_malloc(2**20, 128 * 2**10)
+    pinned = set_malloc(2**20, 128 * 2**10)
     load = [os.getloadavg()[0]]
     logits, target, old_log_prob, advantages, *extra = _inputs(spec, rank, world)
     # megatron-core's forward writes its softmax into its input, and `megatron_logprob` hands it
@@ -371,7 +371,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     load.append(os.getloadavg()[0])
 
     # Phase 2: time (malloc reuses freed temporaries, see above).
-    _set_malloc(32 * 2**20, 64 * 2**20)
+    set_malloc(32 * 2**20, 64 * 2**20)
     times = {m: [] for m in spec.methods}
     rank_times = {m: [] for m in spec.methods}
     logged = {m: [] for m in spec.methods}
@@ -394,7 +394,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
     reference = None
     for method in spec.methods:
         clear()
-        issued = _profiled(lambda: step(method))
+        issued = profiled(lambda: step(method))
         loss_value = state["loss"].detach().double().item()
         grad = logits.grad.detach()
         result = out["methods"][method]
@@ -407,7 +407,7 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
             reference = (loss_value, grad.clone())
         if reference is not None:
             result["loss_diff"] = abs(loss_value - reference[0]) / max(abs(reference[0]), 1e-30)
-            result["grad_diff"] = _max_rel_diff(grad, reference[1])
+            result["grad_diff"] = max_rel_diff(grad, reference[1])
             result["parity"] = max(result["loss_diff"], result["grad_diff"])
         del grad
         clear()
@@ -415,13 +415,13 @@ def _run_methods(rank: int, world: int, spec: TpSpec) -> dict:
         result["input_overwritten"] = overwritten[method]
         backend = built[method][1]
         if backend is not None:
-            result["graphpass"] = _graphpass_summary(backend, world)
+            result["graphpass"] = graphpass_summary(backend, world)
     out["load"].append(os.getloadavg()[0])
     return out
 
 
 # ---- the parent -----------------------------------------------------------------------------------
-def _timeout_s(spec: TpSpec) -> float:
+def spawn_timeout_s(spec: TpSpec) -> float:
     """Deadline of one configuration's spawn: start-up, a compile per compiled method, the steps."""
     compiled = sum(m != "eager" for m in spec.methods)
     per_step_s = 20 * spec.T / 2048  # a slow memory-phase step at this T, with room
@@ -441,7 +441,7 @@ def run(spec: TpSpec, world: int = TP) -> list[dict]:
     base = _row_base(spec, world)
     started = time.monotonic()
     try:
-        per_rank = run_ranks(run_config, world, args=(spec,), timeout_s=_timeout_s(spec),
+        per_rank = run_ranks(run_config, world, args=(spec,), timeout_s=spawn_timeout_s(spec),
                              backend=backend_for(spec.device))
     except RankFailed as error:
         note = str(error).strip().splitlines()

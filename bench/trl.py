@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.harness.isolate import run_isolated
 from bench.harness.machine_info import GiB, machine_description, provenance
-from bench.harness.meters import CpuMeter, _timed
+from bench.harness.meters import CpuMeter, timed
 
 METHODS = ("eager", "graphpass")
 MAX_PEAK_RATIO = 0.25
@@ -141,13 +141,13 @@ def measure(spec: TrlSpec) -> dict:
         model.zero_grad(set_to_none=True)
         loss = _step(fn, model, batch, spec.C)
 
-    first_call_s = _timed(step, "cpu") if spec.method != "eager" else None
+    first_call_s = timed(step, "cpu") if spec.method != "eager" else None
     times, peaks = [], []
     for _ in range(spec.steps):
         model.zero_grad(set_to_none=True)
         loss = None
         meter.reset()
-        times.append(_timed(step, "cpu"))
+        times.append(timed(step, "cpu"))
         peaks.append(meter.peak())
     result = dict(status="ok", peak_bytes=max(peaks), peaks=peaks, floor_ratio=max(peaks) / spec.floor_bytes,
                   time_s=statistics.median(times), first_call_s=first_call_s or times[0],

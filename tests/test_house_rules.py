@@ -1,5 +1,6 @@
 """Rules of the codebase that a reviewer would otherwise check by hand (issue 23): private torch
-symbols live in `graphpass/_torch_api.py` alone, and no module imports another's private name."""
+symbols live in `graphpass/_torch_api.py` alone, and no module (the benchmarks' included) imports
+another's private name."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_private_torch_symbols_only_in_torch_api():
 
 def test_no_private_name_imported_across_modules():
     found = []
-    for p in _sources():
+    for p in [*_sources(), *sorted(ROOT.glob("bench/**/*.py"))]:
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module != "__future__":
                 found += [f"{p.relative_to(ROOT)}:{node.lineno}: from {node.module or '.'} import {a.name}"

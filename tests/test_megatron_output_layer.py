@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import graphpass
 import spawned  # tests/ is on sys.path
-from bench.tp import _profiled
+from bench.tp import profiled
 from bench.workloads.tp_losses import slime_style_logprob_entropy
 from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)
 
@@ -167,7 +167,7 @@ def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
             state["loss"] = out[0] if variant == "returned" else out
             state["loss"].backward()
 
-        issued = _profiled(step)
+        issued = profiled(step)
         params = [layer.weight] + ([layer.bias] if with_bias else [])
         return state["loss"].detach(), [h.grad] + [p.grad for p in params], issued
 
@@ -240,7 +240,7 @@ def _grad_modes(rank, modes, gradients_in_forward):
         with torch.set_grad_enabled(modes[rank]):
             state["loss"] = fn(hidden.clone().requires_grad_(), target, old, adv, mask)
 
-    issued = _profiled(forward)
+    issued = profiled(forward)
     return issued, _err(state["loss"], _reference("slime", data, False, "")[0])
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import graphpass
 import spawned  # tests/ is on sys.path
-from bench.tp import _profiled
+from bench.tp import profiled
 from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
@@ -186,7 +186,7 @@ def _case(rank, code, dtype, temperature, inner, n_sites, why):
             state["loss"] = f(logits, target, target2, old, adv, mask)
             state["loss"].backward()
 
-        issued = _profiled(step)
+        issued = profiled(step)
         return state["loss"].detach(), logits.grad, issued
 
     torch._dynamo.reset()
@@ -285,7 +285,7 @@ def _differing(rank, world, code, modes):
         if requires and enabled:
             state["loss"].backward()
 
-    issued = _profiled(step)
+    issued = profiled(step)
     ref = _reference_loss(code, 0.7, full, target, target2, old, adv, mask)
     return issued, _err(state["loss"], ref), _sites(backend)
 

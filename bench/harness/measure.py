@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from bench.harness.meters import CpuMeter, CudaMeter, _timed
+from bench.harness.meters import CpuMeter, CudaMeter, timed
 from bench.harness.spec import Spec, torch_dtype
 
 
@@ -42,7 +42,7 @@ def measure(spec: Spec) -> dict:
 
     # A compiled method's first call compiles: it is the warm-up, timed apart. An eager method has
     # nothing to warm up, so its first call is already a measured step.
-    first_call_s = _timed(step, spec.device) if method.compiled or spec.warmup else None
+    first_call_s = timed(step, spec.device) if method.compiled or spec.warmup else None
     passes = None
     if spec.sol:
         from bench.harness.sol_passes import Passes
@@ -58,7 +58,7 @@ def measure(spec: Spec) -> dict:
         if passes is not None:  # before the baseline: its memory is not the method's
             sol_times.append(sum(passes.step()))
         baseline = meter.reset()
-        times.append(_timed(step, spec.device))
+        times.append(timed(step, spec.device))
         peaks.append(meter.peak())
     if first_call_s is None:
         first_call_s = times[0]

@@ -1,5 +1,5 @@
 """Meters of one step: peak bytes above a baseline (`CpuMeter`: RSS, `VmHWM` after `clear_refs`;
-`CudaMeter`: `max_memory_allocated`) and wall time (`_timed`, with CUDA events on a GPU;
+`CudaMeter`: `max_memory_allocated`) and wall time (`timed`, with CUDA events on a GPU;
 `timed_steps`, a first call then steps each with its own peak), used by the harness's workers and by
 the benchmarks that time their own steps (lm_head, tp, megatron, trl, distill).
 """
@@ -70,7 +70,7 @@ class CudaMeter:
         self.torch.cuda.synchronize()
 
 
-def _timed(fn, device: str) -> float:
+def timed(fn, device: str) -> float:
     """Seconds of `fn()`; CUDA events on a GPU."""
     import torch
 
@@ -96,11 +96,11 @@ def timed_steps(step, clear, device: str, steps: int, first_call: bool = True) -
         step()
         meter.sync()
 
-    first_s = _timed(synced, device) if first_call else None
+    first_s = timed(synced, device) if first_call else None
     times, peaks = [], []
     for _ in range(steps):
         clear()
         meter.reset()
-        times.append(_timed(synced, device))
+        times.append(timed(synced, device))
         peaks.append(meter.peak())
     return first_s, times, peaks

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.harness.meters import _timed
+from bench.harness.meters import timed
 
 
 def forward_pass(logits, temperature: float):
@@ -73,10 +73,10 @@ class Passes:
 
         t = self.TEMPERATURE
         with torch.no_grad():
-            forward_s = _timed(lambda: self.forward(self.logits, t), str(self.device))
+            forward_s = timed(lambda: self.forward(self.logits, t), str(self.device))
             if len(self.blocks) > 1:
-                forward_s = min(forward_s, _timed(self._forward_blocks, str(self.device)))
-            backward_s = _timed(lambda: self.backward(self.logits, self.lse, self.target, self.grad_logprob, t),
+                forward_s = min(forward_s, timed(self._forward_blocks, str(self.device)))
+            backward_s = timed(lambda: self.backward(self.logits, self.lse, self.target, self.grad_logprob, t),
                                 str(self.device))
         return forward_s, backward_s
 
