@@ -20,9 +20,9 @@ loop dim `d` (the first dim, or the sequence dim of `[B, S, V]`):
   chain of `slice_scatter`s: when the slices tile the whole buffer it is the `cat` of the chunks.
 
 `f` folds when each of its ops treats the loop dim as a batch dim: elementwise ops, reductions,
-softmaxes and gathers over other dims, squeeze/unsqueeze elsewhere, an lm_head's product of the
-hidden states' rows (`sink_row_slices` moves the loop's picks onto them), with loop-invariant
-operands that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is
+softmaxes, gathers and scatters over other dims, squeeze/unsqueeze elsewhere (`x[:, 0]` of a
+one-wide dim too), an lm_head's product of the hidden states' rows (`sink_row_slices` moves the
+loop's picks onto them), with loop-invariant operands that broadcast along it. Values are unchanged: slice `i` of `f(x)` along `d` is
 `f(x[i])`. Then the region passes see one region over all rows: no
 per-iteration op, and a temperature applied before the loop is inside it. Anything else (an op
 that mixes rows, a gap between chunks, iterations that differ) leaves the loop as it is; each
@@ -51,7 +51,9 @@ def fold_row_loops_pass(gm: torch.fx.GraphModule, example_inputs, *, config, rec
     """Replace each unrolled row loop (`stack`, `cat`, a tiled `slice_scatter` chain) by one `f(x)`."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.target is aten.slice_scatter.default and not _continues_chain(node):
+        if node.target is aten.slice.Tensor and _whole(node):
+            node.replace_all_uses_with(node.args[0])  # a loop of one chunk reads all rows
+        elif node.target is aten.slice_scatter.default and not _continues_chain(node):
             _chain_as_cat(graph, node)
     folder = _Folder(graph)
     for node in list(graph.nodes):
@@ -108,6 +110,14 @@ def _chain_as_cat(graph, end) -> None:
         cat = graph.call_function(aten.cat.default, (pieces, dim))
     cat.meta.update(end.meta)
     end.replace_all_uses_with(cat)
+
+
+def _whole(node) -> bool:
+    """Whether a slice keeps every element of its source (`x[0:n]` of `n` rows): it is its source."""
+    dim, start, stop, step = slice_span(node)
+    size = node.args[0].meta["val"].shape[dim]
+    return (step == 1 and isinstance(size, int) and isinstance(start, (int, type(None)))
+            and isinstance(stop, (int, type(None))) and _clamp(start or 0, size) == 0 and _clamp(stop, size) == size)
 
 
 def _clamp(index, size: int) -> int:
@@ -315,7 +325,7 @@ class _Batcher:
             return True  # a no-op expand (a functional copy_ of a same-shape chunk)
         if target is operator.getitem:
             b = self.batch_dim[args[0]]
-        elif target in _DIM_ARG:
+        elif target in _DIM_ARG and (target is not aten.select.int or _selects_a_unit_dim(node)):
             b = self._move_dims(node, args, kwargs)
         elif _is_elementwise(target):
             b = self._broadcast_batch_dim(node)
@@ -345,7 +355,7 @@ class _Batcher:
         x = args[0]
         b = self.batch_dim.get(x)
         others = [a for a in args[1:] if isinstance(a, torch.fx.Node)]
-        if b is None or (others and target not in catalogue.GATHERS):
+        if b is None or (others and target not in catalogue.GATHERS and target not in _SCATTERS):
             return None
         dims = args[position] if position < len(args) else kwargs.get("dim")
         many = isinstance(dims, (list, tuple))
@@ -365,7 +375,7 @@ class _Batcher:
         batched = [p + (p >= b) for p in piece_dims] if self.stack else piece_dims
         if target is aten.unsqueeze.default:
             out_b = b + (batched[0] <= b)
-        elif target in (aten.squeeze.dim, aten.squeeze.dims) or (
+        elif target in (aten.squeeze.dim, aten.squeeze.dims, aten.select.int) or (
                 target in catalogue.REDUCTIONS | catalogue.REDUCTIONS_INT_DIM and not _keepdim(node)):
             out_b = b - sum(m < b for m in batched)
         else:
@@ -379,6 +389,11 @@ class _Batcher:
             index = args[2] if target is aten.gather.default else args[1]
             if self.batch_dim.get(index) != b or index.meta["val"].ndim != x.meta["val"].ndim:
                 return None
+        if target in _SCATTERS:  # each row's entries written from its own index and source rows
+            for operand in args[2:4]:
+                if isinstance(operand, torch.fx.Node) and (
+                        self.batch_dim.get(operand) != b or operand.meta["val"].ndim != x.meta["val"].ndim):
+                    return None
         return out_b
 
     def _row_matmul_batch_dim(self, node):
@@ -426,12 +441,23 @@ class _Batcher:
         return new
 
 
+#: Writes of entries along a dim, from an index (and a source) with the input's rows.
+_SCATTERS = {aten.scatter.src, aten.scatter.value, aten.scatter_add.default}
 #: Ops with a dim argument that fold: target -> (its position, the rank it counts in).
 _DIM_ARG = {
     **{op: (1, "in") for op in catalogue.REDUCTIONS | catalogue.REDUCTIONS_INT_DIM | catalogue.SOFTMAX},
     aten.gather.default: (1, "in"), aten.take_along_dim.default: (2, "in"),
     aten.squeeze.dim: (1, "in"), aten.squeeze.dims: (1, "in"), aten.unsqueeze.default: (1, "out"),
+    aten.select.int: (1, "in"),  # of a one-wide dim (`_selects_a_unit_dim`): a squeeze written `x[:, 0]`
+    **{op: (1, "in") for op in _SCATTERS},
 }
+
+
+def _selects_a_unit_dim(node) -> bool:
+    """`x[:, 0]` of a one-wide dim: the squeeze of it, which folds as squeeze does."""
+    x, dim, index = node.args[:3]
+    shape = x.meta["val"].shape
+    return isinstance(dim, int) and same_size(shape[dim], 1) and index in (0, -1)
 
 
 def _keepdim(node) -> bool:

@@ -24,13 +24,16 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.backward_check import check_backward, joint_module
+from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
-from graphpass.fx_utils import is_floating, transitive_users
+from graphpass.fx_utils import is_floating, target_name, transitive_users
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
+from .fold_row_loops import fold_row_loops_pass
 from .replace_vocab_parallel_functions import as_the_output_was
+from .sink_row_slices import sink_row_slices_pass
 
 aten = torch.ops.aten
 log = logging.getLogger("graphpass")
@@ -76,12 +79,13 @@ def _match(hop, stub):
         captured = capture(forward, vals)
     except CantCapture:
         return None
+    _fold_chunk_loops(captured.gm, vals)
     if (why := _torch_api.function_bodies_unread()) is not None:
         return why if any(catalogue.normalises(n) for n in captured.gm.graph.nodes) else None
     outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
     match = match_single_device(captured.gm, outputs)
-    if match is None:
-        return _output_layer_inside(captured.gm)
+    if match is None or isinstance(match, str):
+        return _output_layer_inside(captured.gm) or _unread_log_softmax(captured.gm, match)
     what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in match.outputs))
     kept = f"its forward computes the {what} of its logits, but "
     if hop.mutates_inputs or captured.mutated_inputs:
@@ -96,6 +100,7 @@ def _match(hop, stub):
         return kept + f"its backward cannot be captured ({e})"
     except Exception as e:  # noqa: BLE001 - a backward that does not trace cannot be checked
         return kept + f"its backward does not trace on fake values ({type(e).__name__})"
+    _fold_chunk_loops(joint.gm, vals + grads)
     if joint.mutated_inputs:
         return kept + "its backward writes into its inputs (its saved logits), which the plain math would not"
     non_differentiable = set(hop.kwargs.get("non_differentiable_idx", ()))
@@ -109,6 +114,20 @@ def _match(hop, stub):
                       "(torch.log_softmax(logits, -1).gather(...)) to have it chunked"
     target = None if target_position is None else tensors[target_position]
     return match, tensors[logits_position], target, non_differentiable
+
+
+def _fold_chunk_loops(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """A Function's bodies as one computation over all rows: the chunk loops a hand-written kernel
+    runs over its rows (`cat` of per-chunk results, a buffer filled chunk by chunk), which Dynamo
+    unrolled, folded as the inline passes fold them. The bodies are read, never run as they are,
+    so their metadata checks (which would keep each chunk's slice alive) go first."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in METADATA_CHECKS:
+            gm.graph.erase_node(node)
+    for fold in (sink_row_slices_pass, fold_row_loops_pass):
+        fold(gm, example_inputs, config=None, record=None)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 #: The products an output layer's logits come from, as captured: where each reads its two operands.
@@ -129,6 +148,22 @@ def _output_layer_inside(gm: torch.fx.GraphModule) -> str | None:
             return (f"its forward computes logits from its inputs itself (the output layer's product at "
                     f"{source_of(product)}), which graphpass cannot read inside a Function; register the "
                     "Function's plain math with graphpass.integrations.substitute_in_graph to have the lm_head fused")
+    return None
+
+
+#: What only a log-prob's math computes (a plain softmax is also attention's).
+_LOG_NORMALISERS = (catalogue.NORMALISERS - catalogue.SOFTMAX) | {aten._log_softmax.default, aten.log_softmax.int}
+
+
+def _unread_log_softmax(gm: torch.fx.GraphModule, why: str | None) -> str | None:
+    """Why a Function whose forward takes a log-softmax or log-sum-exp is kept though its outputs
+    were not read as log-probs or entropies (`why`, from the match), or None for any other Function."""
+    if why is None:
+        return None
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _LOG_NORMALISERS:
+            return (f"its forward takes a {target_name(node)} (at {source_of(node)}), but {why}; graphpass "
+                    "replaces a Function whose outputs are exactly log-probs or entropies of its logits")
     return None
 
 

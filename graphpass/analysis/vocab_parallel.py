@@ -309,7 +309,8 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     form = ev(node)
     label: OutputLabel = recognize.classify(form)
     if label.kind == recognize.ROWWISE:
-        return f"output {node.name} is not a log-prob or an entropy of the vocabulary-split logits"
+        split = "" if isinstance(ev, _OneDeviceEvaluator) else "vocabulary-split "
+        return f"output {node.name} is not a log-prob or an entropy of the {split}logits"
     atoms = [a for a in form if a[0] in ("lse", "gather")]
     temperature = _temperature(atoms[0][1], ev.logits)
     if temperature is None:
@@ -404,15 +405,14 @@ def _full_index(ev, n):
 _OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: recognize.h_select_unit, aten.index: _full_index}
 
 
-def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParallelMatch | None:
+def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParallelMatch | str | None:
     """The match of a Function's forward `gm` without collectives, when each of `outputs` is exactly
     a log-prob, an entropy (or a negation) of its one wide input, or empty (`group_size` 1, no
-    group); else None."""
+    group); the reason an output is not, for a forward with one wide input; else None."""
     wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
     if len(wide) != 1 or any(recognize.packet(n) is _COLLECTIVES.all_reduce for n in gm.graph.nodes):
         return None
-    match = _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
-    return None if isinstance(match, str) else match
+    return _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
 
 
 def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch | str:

@@ -300,3 +300,106 @@ def test_a_torch_whose_function_bodies_are_not_read_keeps_the_function_with_the_
         [r.reason for r in record.rejected], record
     torch.testing.assert_close(value, eager, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, eager_x.grad, rtol=0, atol=0)
+
+
+# ---- Functions that loop over chunks of rows -----------------------------------------------------
+class _Chunked(torch.autograd.Function):
+    """Log-prob and entropy over chunks of `chunk` rows (the last one shorter), each chunk's
+    log-sum-exp saved, the backward recomputing each chunk's softmax into a buffer filled chunk by
+    chunk; `flaw` names how its backward differs from the gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature: float, chunk: int, flaw: str):
+        logprobs, entropies, lses = [], [], []
+        for start in range(0, logits.shape[0], chunk):
+            x = logits[start:start + chunk].float() / temperature
+            lse = x.logsumexp(-1)
+            p = (x - lse[:, None]).exp()
+            logprobs.append(x.gather(-1, target[start:start + chunk, None])[:, 0] - lse)
+            entropies.append(lse - (p * x).sum(-1))
+            lses.append(lse)
+        ctx.save_for_backward(logits, target, torch.cat(lses))
+        ctx.temperature, ctx.chunk, ctx.flaw = temperature, chunk, flaw
+        return torch.cat(logprobs).to(logits.dtype), torch.cat(entropies).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for k, start in enumerate(range(0, logits.shape[0], ctx.chunk)):
+            rows = slice(start, start + ctx.chunk)
+            x = logits[rows].float() / ctx.temperature
+            p = (x - lse[rows, None]).exp()
+            g = -p * grad_logprob[rows, None].float()
+            g = g.scatter_add(-1, target[rows, None], grad_logprob[rows, None].float())
+            if ctx.flaw != "entropy gradient dropped":
+                mean_x = (p * x).sum(-1, keepdim=True)
+                g = g + p * (mean_x - x) * grad_entropy[rows, None].float()
+            last = start + ctx.chunk >= logits.shape[0]
+            divisor = 1.0 if ctx.flaw == "temperature forgotten in the last chunk" and last else ctx.temperature
+            grad[rows] = (g / divisor).to(logits.dtype)
+        return grad, None, None, None, None
+
+
+@pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "temperature forgotten in the last chunk"])
+@pytest.mark.parametrize("chunk", [4, 5, T])
+def test_a_chunk_loop_over_rows_is_read_as_one_computation(flaw, chunk):
+    """A Function that loops over chunks of rows (Dynamo unrolls the loop) is read as its loop
+    folded: one site when its backward is the gradient, float64 values and gradients to 1e-12
+    of the plain math; else kept as written, the reason naming what differs."""
+    g = torch.Generator().manual_seed(4)
+    x = 3 * torch.randn(T, V, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (T,), generator=g)
+    target[0], target[-1] = 0, V - 1
+    weights = torch.randn(2, T, generator=g, dtype=torch.float64)
+
+    def fn(logits):
+        return _loss(*_Chunked.apply(logits, target, 0.7, chunk, flaw), weights)
+
+    def plain(logits):
+        logp = (logits / 0.7).log_softmax(-1)
+        return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
+
+    exact, eager_x, x = (x.clone().requires_grad_() for _ in range(3))
+    want, eager = plain(exact), fn(eager_x)
+    want.backward()
+    eager.backward()
+    value, record = _compile(fn, x)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    if flaw == "none":
+        assert [s.replaced_function is not None for s in record.sites] == [True] and reasons == [], record
+        # The Function rounds to float32 inside; the plain math graphpass runs does not.
+        assert _err(value, want) <= 1e-12 and _err(x.grad, exact.grad) <= 1e-12
+        return
+    # Kept: the user's backward, as written.
+    assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
+    assert _err(value, eager) <= 1e-12 and _err(x.grad, eager_x.grad) <= 1e-12
+    expected = "not the gradient of its forward's math" if flaw == "entropy gradient dropped" or chunk == T \
+        else "not row by row"
+    assert expected in reasons[0], reasons[0]
+
+
+class _LogSumExp(torch.autograd.Function):
+    """A row's log-sum-exp: normalises its logits, but is no log-prob or entropy."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        lse = logits.logsumexp(-1)
+        ctx.save_for_backward(logits, lse)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse = ctx.saved_tensors
+        return (logits - lse[:, None]).exp() * grad[:, None]
+
+
+def test_a_log_normaliser_that_is_no_log_prob_is_kept_with_its_reason():
+    x = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
+    value, record = _compile(lambda logits: (_LogSumExp.apply(logits) * torch.arange(T)).sum(), x)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    assert record.sites == [] and len(reasons) == 1 and "logsumexp" in reasons[0] and \
+        "is not a log-prob or an entropy" in reasons[0], (record.sites, record.rejected)
+    assert _err(x.grad, torch.softmax(x.detach(), -1) * torch.arange(T)[:, None]) <= 1e-12
