@@ -53,16 +53,19 @@ def transitive_users(nodes) -> set:
     return _reached(nodes, "users")
 
 
-def transitive_inputs(nodes) -> set:
+def transitive_inputs(nodes, stop=frozenset()) -> set:
     """Every node one of `nodes` is computed from, directly or through others (a seed only when
-    another seed reads it)."""
-    return _reached(nodes, "all_input_nodes")
+    another seed reads it), not looking past the nodes in `stop` (which are included)."""
+    return _reached(nodes, "all_input_nodes", stop)
 
 
-def _reached(nodes, along: str) -> set:
+def _reached(nodes, along: str, stop=frozenset()) -> set:
     seen, todo = set(), list(nodes)
     while todo:
-        for n in getattr(todo.pop(), along):
+        node = todo.pop()
+        if node in stop:
+            continue
+        for n in getattr(node, along):
             if n not in seen:
                 seen.add(n)
                 todo.append(n)

@@ -36,32 +36,73 @@ import operator
 import torch
 import torch.fx
 
-from graphpass._torch_api import detect_fake_mode, fake_node, same_shape, same_size
+from graphpass._torch_api import detect_fake_mode, fake_node, functional_collectives, same_shape, same_size
 from graphpass.fx_utils import hashable
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
+from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.rowlocal import slice_span
+from graphpass.records import GraphRecord
+
+from .index_rows_as_gather import index_rows_as_gather_pass
+from .sink_row_slices import sink_row_slices_pass
 
 aten = torch.ops.aten
 
-__all__ = ["fold_row_loops_pass"]
+__all__ = ["fold_row_loops_pass", "fold_function_body", "read_folded"]
 
 
 def fold_row_loops_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Replace each unrolled row loop (`stack`, `cat`, a tiled `slice_scatter` chain) by one `f(x)`."""
-    graph = gm.graph
+    _fold_loops(gm.graph, collectives=False)
+    return gm
+
+
+def read_folded(gm: torch.fx.GraphModule, example_inputs, read, understood):
+    """`read(gm)` of an `autograd.Function`'s captured body as written, or, where that is not
+    `understood`, of the body with its chunk loops folded (`fold_function_body`, which changes
+    `gm`): what the code says as written stays read so (a fold may rewrite an index into a
+    form a reader knows less well), and a loop over chunks is read as one computation."""
+    first = read(gm)
+    if understood(first):
+        return first
+    fold_function_body(gm, example_inputs)
+    return read(gm)
+
+
+def fold_function_body(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """An `autograd.Function`'s captured body as one computation over all rows, to be read (never
+    run as it is): the chunk loops a hand-written kernel runs over its rows folded as the pipeline
+    folds inline loops (slices sunk, `x[arange(rows), t]` a gather, then the loops), each chunk's
+    all-reduces of its rows' statistics with them (an all-reduce is elementwise across ranks).
+    Its metadata checks, which would keep each chunk's slice alive, go first."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in METADATA_CHECKS:
+            gm.graph.erase_node(node)
+    sink_row_slices_pass(gm, example_inputs, config=None, record=None)
+    # What it cannot rewrite it leaves, and the readers of the body say why they stop.
+    index_rows_as_gather_pass(gm, example_inputs, config=None, record=GraphRecord(index=-1))
+    _fold_loops(gm.graph, collectives=True)
+    gm.recompile()
+
+
+def _fold_loops(graph, collectives: bool) -> None:
+    """Fold each loop; with `collectives`, iterations may all-reduce their rows' values."""
     for node in list(graph.nodes):
         if node.target is aten.slice.Tensor and _whole(node):
             node.replace_all_uses_with(node.args[0])  # a loop of one chunk reads all rows
         elif node.target is aten.slice_scatter.default and not _continues_chain(node):
             _chain_as_cat(graph, node)
-    folder = _Folder(graph)
+    if collectives:  # a Function body: its weight gradient summed over chunks is one product
+        for node in reversed(list(graph.nodes)):
+            if node.target in _ACCUMULATES and node.users and not any(u.target in _ACCUMULATES for u in node.users):
+                _sum_chain_as_product(graph, node)
+    folder = _Folder(graph, collectives)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in (aten.cat.default, aten.stack.default):
             folder.fold(node)
     graph.eliminate_dead_code()
     _merge_duplicates(graph, folder.built)
-    return gm
 
 
 def _merge_duplicates(graph, built: set) -> None:
@@ -112,6 +153,89 @@ def _chain_as_cat(graph, end) -> None:
     end.replace_all_uses_with(cat)
 
 
+# ---- a product summed over chunks ------------------------------------------------------------------
+_ACCUMULATES = {aten.add.Tensor, aten.addmm.default}
+
+
+def _sum_chain_as_product(graph, end) -> None:
+    """`Z + t(a0) @ b0 + t(a1) @ b1 + ...` (a zero start `Z`, or none; `+=` or `addmm`) ->
+    `t(cat([a0, a1, ...])) @ cat([b0, b1, ...])`: the same sum over the chunks' rows, whose cats
+    then fold like any loop's (a weight's gradient accumulated chunk by chunk)."""
+    terms, scales, node = [], set(), end
+    while node.op == "call_function" and node.target in _ACCUMULATES and not node.kwargs:
+        if node.target is aten.addmm.default:
+            terms.append(tuple(node.args[1:3]))
+            scales.add(None)
+            node = node.args[0]
+            continue
+        x, y = node.args
+        if not (isinstance(x, torch.fx.Node) and isinstance(y, torch.fx.Node)):
+            return
+        product, node = (y, x) if _is_product(_unscaled(y)[0]) else (x, y)
+        product, scale = _unscaled(product)
+        if not _is_product(product):
+            return
+        terms.append(tuple(product.args))
+        scales.add(scale)
+    if _is_product(_unscaled(node)[0]):
+        node, scale = _unscaled(node)
+        terms.append(tuple(node.args))
+        scales.add(scale)
+    elif node.target not in catalogue.ZEROS:
+        return
+    if len(terms) < 2 or len(scales) != 1 or not all(a.target in (aten.t.default, aten.permute.default)
+                                                      for a, _ in terms):
+        return
+    if any(a.target is aten.permute.default and list(a.args[1]) != [1, 0] for a, _ in terms):
+        return
+    terms.reverse()
+    fake_mode = detect_fake_mode([end.meta["val"]])
+    with graph.inserting_before(end):
+        lefts = fake_node(graph, fake_mode, aten.cat.default, ([a.args[0] for a, _ in terms], 0), {}, end)
+        rights = fake_node(graph, fake_mode, aten.cat.default, ([b for _, b in terms], 0), {}, end)
+        product = fake_node(graph, fake_mode, aten.mm.default,
+                            (fake_node(graph, fake_mode, aten.t.default, (lefts,), {}, end), rights), {}, end)
+        scale = scales.pop()
+        if scale is not None:  # each term `(a.T @ b) op c`, the same `op c`: the sum's
+            product = fake_node(graph, fake_mode, scale[0], (product, scale[1]), {}, end)
+    if product.meta["val"].dtype == end.meta["val"].dtype and same_shape(product.meta["val"].shape,
+                                                                        end.meta["val"].shape):
+        end.replace_all_uses_with(product)
+
+
+def _unscaled(node):
+    """(`x`, (op, c)) for `node` = `x * c` or `x / c` of a constant `c`; else (`node`, None)."""
+    if node.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(node.args[1], (int, float)) \
+            and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0], (node.target, node.args[1])
+    return node, None
+
+
+def _is_product(node) -> bool:
+    """A matrix product of two 2-d values (`a @ b` of matrices is `mm`)."""
+    return node.target in catalogue.MATRIX_PRODUCTS and all(
+        isinstance(a, torch.fx.Node) and a.meta["val"].ndim == 2 for a in node.args[:2])
+
+
+def _tiled_source(pieces, dim):
+    """`x` if `pieces` are slices of `x` along `dim` that tile it in order, else None."""
+    if not all(p.target is aten.slice.Tensor for p in pieces):
+        return None
+    source = pieces[0].args[0]
+    size = source.meta["val"].shape[dim] if isinstance(dim, int) else None
+    if not isinstance(size, int) or any(p.args[0] is not source for p in pieces):
+        return None
+    spans = []
+    for p in pieces:
+        d, start, stop, step = slice_span(p)
+        if d % source.meta["val"].ndim != dim % source.meta["val"].ndim or step != 1 or not all(
+                isinstance(v, (int, type(None))) for v in (start, stop)):
+            return None
+        spans.append((_clamp(start or 0, size), _clamp(stop, size)))
+    starts, stops = [s for s, _ in spans], [e for _, e in spans]
+    return source if starts == [0, *stops[:-1]] and stops[-1] == size else None
+
+
 def _whole(node) -> bool:
     """Whether a slice keeps every element of its source (`x[0:n]` of `n` rows): it is its source."""
     dim, start, stop, step = slice_span(node)
@@ -141,8 +265,8 @@ def _written_value(value):
 class _Folder:
     """Folds loops, remembering the nodes it builds."""
 
-    def __init__(self, graph):
-        self.graph = graph
+    def __init__(self, graph, collectives: bool):
+        self.graph, self.collectives = graph, collectives
         self.modes = grad_modes(graph)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
         # New nodes go before the node that followed a loop's last node in the original graph:
@@ -159,6 +283,11 @@ class _Folder:
             if self.modes[pieces[0]] == self.modes[node] and pieces[0].meta["val"].dtype == node.meta["val"].dtype:
                 node.replace_all_uses_with(pieces[0])
             return
+        if node.target is aten.cat.default:
+            source = _tiled_source(pieces, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
+            if source is not None and source.meta["val"].dtype == node.meta["val"].dtype:
+                node.replace_all_uses_with(source)  # the slices put back together
+                return
         kinds = ["stack"] if node.target is aten.stack.default else ["cat", "stack"]
         for kind in kinds:  # a cat of per-row results (`cat([f(x[b]) for b ...])`) is a flattened stack
             folded = self._fold_as(kind, node, pieces)
@@ -177,7 +306,7 @@ class _Folder:
         if not body or {self.modes[n] for n in computing} != {self.modes[node]}:
             return None  # the loop ran in another grad mode than the stack/cat reads it in
         last = max(computing, key=self.order.__getitem__)
-        batcher = _Batcher(self.graph, loop, self.built)
+        batcher = _Batcher(self.graph, loop, self.built, self.collectives)
         folded = batcher.build(body, pieces[0], self.successor[last])
         if folded is None:
             return None
@@ -216,6 +345,8 @@ class _Loop:
             self.matched[i][a] = b
             self.picks[i][a] = pb
             return True
+        if a.op == "get_attr" and b.op == "get_attr":
+            return _same_constant(a, b)  # `x[mask] = 0`'s 0, made once per iteration
         if a.op != "call_function":
             return a is b  # an input of the graph: loop-invariant
         if b.op != "call_function" or a.target is not b.target:
@@ -296,8 +427,8 @@ class _Batcher:
     """Rebuilds piece 0's body over all rows. Each batched node's loop dim (`batch_dim`, in the
     batched node's own dims) is tracked, so each op's dim arguments can be moved past it."""
 
-    def __init__(self, graph, loop: _Loop, built: set):
-        self.graph, self.loop, self.built = graph, loop, built
+    def __init__(self, graph, loop: _Loop, built: set, collectives: bool):
+        self.graph, self.loop, self.built, self.collectives = graph, loop, built, collectives
         self.stack = loop.kind == "stack"
         self.env = {pick: src for pick, (src, _, _) in loop.picks[0].items()}
         self.batch_dim = {pick: dim for pick, (_, dim, _) in loop.picks[0].items()}
@@ -327,7 +458,8 @@ class _Batcher:
             b = self.batch_dim[args[0]]
         elif target in _DIM_ARG and (target is not aten.select.int or _selects_a_unit_dim(node)):
             b = self._move_dims(node, args, kwargs)
-        elif _is_elementwise(target):
+        elif (_is_elementwise(target) or (self.collectives and target in _ROW_COLLECTIVES)
+              or _is_masked_write(node)):
             b = self._broadcast_batch_dim(node)
         elif catalogue.is_row_matmul(node):
             b = self._row_matmul_batch_dim(node)
@@ -441,6 +573,8 @@ class _Batcher:
         return new
 
 
+#: An all-reduce of per-row values and its wait: elementwise, across ranks.
+_ROW_COLLECTIVES = {functional_collectives.all_reduce.default, functional_collectives.wait_tensor.default}
 #: Writes of entries along a dim, from an index (and a source) with the input's rows.
 _SCATTERS = {aten.scatter.src, aten.scatter.value, aten.scatter_add.default}
 #: Ops with a dim argument that fold: target -> (its position, the rank it counts in).
@@ -451,6 +585,25 @@ _DIM_ARG = {
     aten.select.int: (1, "in"),  # of a one-wide dim (`_selects_a_unit_dim`): a squeeze written `x[:, 0]`
     **{op: (1, "in") for op in _SCATTERS},
 }
+
+
+def _same_constant(a, b) -> bool:
+    """Whether two constants of the graph are one tensor's value: the same dtype, shape and values."""
+    module = a.graph.owning_module
+    x, y = getattr(module, a.target, None), getattr(module, b.target, None)
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+            and x.shape == y.shape and x.device == y.device and bool(torch.equal(x, y)))
+
+
+def _is_masked_write(node) -> bool:
+    """`x[mask] = v` for a boolean `mask` of `x`'s shape and one value `v`: a masked_fill."""
+    if node.target is not aten.index_put.default or len(node.args[1]) != 1:
+        return False
+    x, (mask,), value = node.args[:3]
+    mask_val, value_val = getattr(mask, "meta", {}).get("val"), getattr(value, "meta", {}).get("val")
+    return (isinstance(mask_val, torch.Tensor) and mask_val.dtype == torch.bool
+            and same_shape(mask_val.shape, x.meta["val"].shape)
+            and isinstance(value_val, torch.Tensor) and value_val.ndim == 0)
 
 
 def _selects_a_unit_dim(node) -> bool:

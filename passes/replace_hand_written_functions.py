@@ -7,10 +7,17 @@ entropies of its logits (`graphpass.analysis.vocab_parallel.match_single_device`
 backward is their gradient (`graphpass.analysis.backward_check`, a float64 probe on a few rows),
 the Function becomes `log_softmax(logits.float() / t).gather(...)` and `-(p * logp).sum(-1)`:
 the chunk pass then rewrites it like any other such math, the lm_head fused where its matmul is
-in the graph. A Function whose backward is not that gradient, or cannot be checked, stays as it
-is with the reason recorded; so does one that multiplies by the output layer itself (an lm_head
-inside the Function, which this pass cannot read), the reason naming the stand-in a user can
-register for it (`graphpass.integrations.substitute_in_graph`).
+in the graph. Its bodies are read as written, then with their chunk loops over rows folded
+(`fold_row_loops.read_folded`).
+
+A Function that multiplies by the output layer itself (`z = hidden @ W.T` inside, whole or
+chunk by chunk) is read at its logits (`output_layer_function.cut_at_logits`): when its
+backward is the chain rule around `z` (`dhidden = dz @ W`, `dW = dz.T @ hidden`) and `dz` checks
+out as above, it becomes `hidden @ W.T` and the plain math of `z`, which the chunk pass fuses.
+
+A Function whose backward is not that gradient, or cannot be checked, stays as it is with the
+reason recorded; where an output layer inside it is not read, the reason names the stand-in a
+user can register for it (`graphpass.integrations.substitute_in_graph`).
 """
 
 from __future__ import annotations
@@ -24,16 +31,15 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.backward_check import check_backward, joint_module
-from graphpass.analysis.lm_head import METADATA_CHECKS
+from graphpass.analysis.output_layer_function import cut_at_logits, read_transposes
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
-from graphpass.fx_utils import is_floating, target_name, transitive_users
+from graphpass.fx_utils import is_floating, target_name, transitive_inputs, transitive_users
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
-from .fold_row_loops import fold_row_loops_pass
+from .fold_row_loops import fold_function_body, read_folded
 from .replace_vocab_parallel_functions import as_the_output_was
-from .sink_row_slices import sink_row_slices_pass
 
 aten = torch.ops.aten
 log = logging.getLogger("graphpass")
@@ -59,7 +65,10 @@ def replace_hand_written_functions_pass(gm: torch.fx.GraphModule, example_inputs
         if isinstance(found, str):
             record.rejected.append(Rejection(source_of(stub), f"autograd.Function kept: {found}"))
             continue
-        _replace(gm.graph, stub, hop, *found)
+        match, logits, target, non_differentiable, *head = found
+        if head:  # the Function multiplied by the output layer itself: its product comes first
+            logits = _emit_logits(gm.graph, stub, *head[0])
+        _replace(gm.graph, stub, hop, match, logits, target, non_differentiable)
         changed = True
     if changed:
         gm.graph.eliminate_dead_code()
@@ -79,13 +88,21 @@ def _match(hop, stub):
         captured = capture(forward, vals)
     except CantCapture:
         return None
-    _fold_chunk_loops(captured.gm, vals)
     if (why := _torch_api.function_bodies_unread()) is not None:
         return why if any(catalogue.normalises(n) for n in captured.gm.graph.nodes) else None
-    outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
-    match = match_single_device(captured.gm, outputs)
+
+    def outputs():
+        return list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
+
+    match = read_folded(captured.gm, vals, lambda gm: match_single_device(gm, outputs()),
+                        lambda m: m is not None and not isinstance(m, str))
     if match is None or isinstance(match, str):
-        return _output_layer_inside(captured.gm) or _unread_log_softmax(captured.gm, match)
+        product = _output_layer_inside(captured.gm)
+        if product is None:
+            return _unread_log_softmax(captured.gm, match)
+        if hop.mutates_inputs or captured.mutated_inputs:
+            return _OUTPUT_LAYER_KEPT.format(source_of(product), "it writes into its inputs")
+        return _match_output_layer(hop, product, tensors, vals, [o.meta["val"] for o in outputs()], n_saved)
     what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in match.outputs))
     kept = f"its forward computes the {what} of its logits, but "
     if hop.mutates_inputs or captured.mutated_inputs:
@@ -93,22 +110,25 @@ def _match(hop, stub):
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     logits_position = placeholders.index(match.logits)
     target_position = None if match.target is None else placeholders.index(match.target)
-    grads = [torch.empty_like(o.meta["val"]) for o in outputs]
+    grads = [torch.empty_like(o.meta["val"]) for o in outputs()]
     try:
         joint = capture(joint_module(forward, backward, len(tensors), n_outputs, n_saved), vals + grads)
     except CantCapture as e:
         return kept + f"its backward cannot be captured ({e})"
     except Exception as e:  # noqa: BLE001 - a backward that does not trace cannot be checked
         return kept + f"its backward does not trace on fake values ({type(e).__name__})"
-    _fold_chunk_loops(joint.gm, vals + grads)
     if joint.mutated_inputs:
         return kept + "its backward writes into its inputs (its saved logits), which the plain math would not"
     non_differentiable = set(hop.kwargs.get("non_differentiable_idx", ()))
-    try:
-        why = check_backward(joint.gm, vals, logits_position, target_position, match.outputs, match.temperature,
-                             non_differentiable)
-    except Exception as e:  # noqa: BLE001 - what the check cannot read keeps the Function
-        why = f"the check failed on its code ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+    def check(gm):
+        try:
+            return check_backward(gm, vals, logits_position, target_position, match.outputs, match.temperature,
+                                  non_differentiable)
+        except Exception as e:  # noqa: BLE001 - what the check cannot read keeps the Function
+            return f"the check failed on its code ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+    why = read_folded(joint.gm, vals + grads, check, lambda why: why is None)
     if why is not None:
         return kept + f"its hand-written backward is unchecked: {why}; write the math without the Function " \
                       "(torch.log_softmax(logits, -1).gather(...)) to have it chunked"
@@ -116,18 +136,71 @@ def _match(hop, stub):
     return match, tensors[logits_position], target, non_differentiable
 
 
-def _fold_chunk_loops(gm: torch.fx.GraphModule, example_inputs) -> None:
-    """A Function's bodies as one computation over all rows: the chunk loops a hand-written kernel
-    runs over its rows (`cat` of per-chunk results, a buffer filled chunk by chunk), which Dynamo
-    unrolled, folded as the inline passes fold them. The bodies are read, never run as they are,
-    so their metadata checks (which would keep each chunk's slice alive) go first."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in METADATA_CHECKS:
-            gm.graph.erase_node(node)
-    for fold in (sink_row_slices_pass, fold_row_loops_pass):
-        fold(gm, example_inputs, config=None, record=None)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+_OUTPUT_LAYER_KEPT = ("its forward computes logits from its inputs itself (the output layer's product at {}), "
+                      "but {}; register the Function's plain math with graphpass.integrations.substitute_in_graph "
+                      "to have the lm_head fused")
+
+
+def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
+    """(match, logits, target, non-differentiable, head) for a Function that multiplies by the
+    output layer itself, read at its logits (`output_layer_function.cut_at_logits`) and its
+    backward checked there; else why it is kept."""
+    forward, backward = hop.bodies[0], hop.bodies[1]
+    where = source_of(product)
+    grads = [torch.empty_like(v) for v in output_vals]
+    try:
+        joint = capture(joint_module(forward, backward, len(tensors), len(output_vals), n_saved), vals + grads)
+    except Exception as e:  # noqa: BLE001 - a backward that does not trace cannot be checked
+        return _OUTPUT_LAYER_KEPT.format(where, f"its backward does not trace on fake values ({type(e).__name__})")
+    if joint.mutated_inputs:
+        return _OUTPUT_LAYER_KEPT.format(where, "its backward writes into its inputs")
+    read_transposes(joint.gm, _transposes(tensors))
+    fold_function_body(joint.gm, vals + grads)
+    cut = cut_at_logits(joint.gm, vals, len(output_vals))
+    if isinstance(cut, str):
+        return _OUTPUT_LAYER_KEPT.format(where, cut)
+    lj = cut.logits_joint
+    match = match_single_device(lj, list(lj.graph.output_node().args[0])[:len(output_vals)])
+    if match is None or isinstance(match, str):
+        return _OUTPUT_LAYER_KEPT.format(where, match or "its outputs are not log-probs or entropies of them")
+    placeholders = list(lj.graph.find_nodes(op="placeholder"))
+    target_position = None if match.target is None else placeholders.index(match.target)
+    non_differentiable = set(hop.kwargs.get("non_differentiable_idx", ()))
+    try:
+        why = check_backward(lj, cut.example_inputs, 0, target_position, match.outputs, match.temperature,
+                             non_differentiable)
+    except Exception as e:  # noqa: BLE001 - what the check cannot read keeps the Function
+        why = f"the check failed on its code ({type(e).__name__})"
+    if why is not None:
+        return _OUTPUT_LAYER_KEPT.format(where, f"its hand-written backward is unchecked at its logits: {why}")
+    target = None if target_position is None else tensors[cut.other_positions[target_position - 1]]
+    return match, None, target, non_differentiable, (cut, tensors[cut.hidden_position], tensors[cut.weight_position])
+
+
+def _transposes(tensors) -> dict[int, int]:
+    """{i: j} where the Function's input `i` is its input `j` transposed (a matrix's `.T`)."""
+    found = {}
+    for i, t in enumerate(tensors):
+        if t.op == "call_function" and (t.target is aten.t.default or (
+                t.target is aten.permute.default and list(t.args[1]) == [1, 0])) and t.args[0] in tensors:
+            found[i] = tensors.index(t.args[0])
+    return found
+
+
+def _emit_logits(graph, stub, cut, hidden, weight):
+    """The Function's logits in the caller's graph, before `stub`: its product of the caller's
+    hidden states and weight, as the Function wrote it (`hidden @ W.T`), which the lm_head fusion
+    then takes in."""
+    head = cut.head
+    fake_mode = _torch_api.detect_fake_mode([hidden.meta["val"], weight.meta["val"]])
+    env = {head.hidden: hidden, head.weight: weight}
+    product = ({head.logits} | transitive_inputs([head.logits], stop=set(env))) - set(env)
+    order = [n for n in head.logits.graph.nodes if n in product]
+    with graph.inserting_before(stub):
+        for node in order:
+            args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+            env[node] = _torch_api.fake_node(graph, fake_mode, node.target, args, dict(node.kwargs), like=stub)
+    return env[head.logits]
 
 
 #: The products an output layer's logits come from, as captured: where each reads its two operands.
@@ -135,9 +208,9 @@ _PRODUCTS = {aten.matmul.default: slice(0, 2), aten.linear.default: slice(0, 2),
              aten.bmm.default: slice(0, 2), aten.addmm.default: slice(1, 3)}
 
 
-def _output_layer_inside(gm: torch.fx.GraphModule) -> str | None:
-    """Why a Function whose forward normalises a product of two of its float inputs (logits
-    `hidden @ W.T` it computes itself) is kept, or None for any other Function."""
+def _output_layer_inside(gm: torch.fx.GraphModule):
+    """The product of two of its float inputs a Function's forward normalises (logits `hidden @ W.T`
+    it computes itself), or None for any other Function."""
     inputs = [p for p in gm.graph.find_nodes(op="placeholder") if is_floating(p)]
     from_inputs = set(inputs) | transitive_users(inputs)  # nodes computed from a float input
     for product in gm.graph.nodes:
@@ -145,9 +218,7 @@ def _output_layer_inside(gm: torch.fx.GraphModule) -> str | None:
         if len(operands) < 2 or not all(a in from_inputs for a in operands):
             continue
         if any(catalogue.normalises(n) for n in transitive_users([product])):
-            return (f"its forward computes logits from its inputs itself (the output layer's product at "
-                    f"{source_of(product)}), which graphpass cannot read inside a Function; register the "
-                    "Function's plain math with graphpass.integrations.substitute_in_graph to have the lm_head fused")
+            return product
     return None
 
 

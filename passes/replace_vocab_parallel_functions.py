@@ -53,6 +53,7 @@ from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRec
 
 # The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
 from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
+from .fold_row_loops import read_folded
 
 aten = torch.ops.aten
 
@@ -584,8 +585,13 @@ def _match_function(hop, stub) -> VocabParallelMatch | str | None:
         captured = capture(forward, [t.meta["val"] for t in tensors])
     except CantCapture as e:
         return f"vocab-parallel Function kept: its forward cannot be captured: {e}"
-    outputs = list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
-    match = match_forward(captured.gm, outputs, _rank_and_size)
+
+    def read(gm):
+        outputs = list(gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
+        return match_forward(gm, outputs, _rank_and_size)
+
+    match = read_folded(captured.gm, [t.meta["val"] for t in tensors], read,
+                        lambda m: not isinstance(m, str) or m == NOT_PARALLEL)
     if match == NOT_PARALLEL:
         return None  # one device: replace_hand_written_functions' business
     if (why := _torch_api.function_bodies_unread()) is not None:

@@ -44,46 +44,87 @@ def _err(a, b) -> float:
 
 
 # ---- Functions that are almost right (each must stay as it is) -----------------------------------
+def _flawed_logprob(logits, target, group, flaw: str):
+    """slime's log-prob forward with one flaw (`flaw`; "none": none): (log-probs, what its
+    backward reads)."""
+    rows, width = logits.shape
+    first = dist.get_rank(group) * width + (1 if flaw == "wrong first column" else 0)
+    mask = (target < first) | (target >= first + width)
+    local = (target - first).clone()
+    local[mask] = 0
+    row_max = logits.max(dim=-1, keepdim=True).values
+    if flaw != "rank-local shift":
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    normalized = logits - row_max
+    predicted = normalized[torch.arange(rows), local]
+    if flaw != "unmasked target":
+        predicted = predicted.masked_fill(mask, 0.0)
+    softmax = normalized.exp()
+    sum_exp = softmax.sum(dim=-1, keepdim=True)
+    if flaw == "local entropy":  # a local normaliser: the softmax of the slice alone
+        result = (softmax / sum_exp * logits).sum(-1) - sum_exp.log()[:, 0] - row_max[:, 0]
+        dist.all_reduce(result, group=group)
+        return result, (softmax / sum_exp, mask, local)
+    dist.all_reduce(sum_exp, group=group)
+    dist.all_reduce(predicted, group=group)
+    softmax = softmax / sum_exp
+    return predicted - sum_exp.log()[:, 0], (softmax, mask, local)
+
+
+def _flawed_grad(grad, softmax, mask, local):
+    """The backward, right for the unflawed math."""
+    out = -softmax * grad[:, None]
+    out[torch.arange(out.shape[0]), local] += (~mask).to(out.dtype) * grad
+    return out
+
+
 class _Flawed(torch.autograd.Function):
-    """slime's log-prob forward with one flaw (`flaw`; "none": none); its backward, right for the
-    unflawed math. The unflawed one is recognised: what keeps a flawed one is its flaw."""
+    """`_flawed_logprob` with its hand-written backward. The unflawed one is recognised: what
+    keeps a flawed one is its flaw."""
 
     @staticmethod
     def forward(ctx, logits, target, group, flaw: str):
-        rows, width = logits.shape
-        first = dist.get_rank(group) * width + (1 if flaw == "wrong first column" else 0)
-        mask = (target < first) | (target >= first + width)
-        local = (target - first).clone()
-        local[mask] = 0
-        row_max = logits.max(dim=-1, keepdim=True).values
-        if flaw != "rank-local shift":
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        normalized = logits - row_max
-        predicted = normalized[torch.arange(rows), local]
-        if flaw != "unmasked target":
-            predicted = predicted.masked_fill(mask, 0.0)
-        softmax = normalized.exp()
-        sum_exp = softmax.sum(dim=-1, keepdim=True)
-        if flaw == "local entropy":  # a local normaliser: the softmax of the slice alone
-            result = (softmax / sum_exp * logits).sum(-1) - sum_exp.log()[:, 0] - row_max[:, 0]
-            dist.all_reduce(result, group=group)
-            ctx.save_for_backward(softmax / sum_exp, mask, local)
-            return result
-        dist.all_reduce(sum_exp, group=group)
-        dist.all_reduce(predicted, group=group)
-        softmax = softmax / sum_exp
-        ctx.save_for_backward(softmax, mask, local)
-        return predicted - sum_exp.log()[:, 0]
+        result, saved = _flawed_logprob(logits, target, group, flaw)
+        ctx.save_for_backward(*saved)
+        return result
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, mask, local = ctx.saved_tensors
-        out = -softmax * grad[:, None]
-        out[torch.arange(out.shape[0]), local] += (~mask).to(out.dtype) * grad
-        return out, None, None, None
+        return _flawed_grad(grad, *ctx.saved_tensors), None, None, None
 
 
 FLAWS = ("rank-local shift", "wrong first column", "local entropy", "unmasked target")
+
+
+class _Chunked(torch.autograd.Function):
+    """`_flawed_logprob` over chunks of `chunk` rows, each chunk's collectives its own (NeMo-RL's
+    `ChunkedDistributedLogprob` loops so), the backward filling a buffer chunk by chunk; `flaw`
+    applies to the last chunk alone."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, flaw: str, chunk: int):
+        pieces, saved = [], []
+        for start in range(0, logits.shape[0], chunk):
+            last = start + chunk >= logits.shape[0]
+            piece, piece_saved = _flawed_logprob(logits[start:start + chunk], target[start:start + chunk], group,
+                                                 flaw if last else "none")
+            pieces.append(piece)
+            saved += piece_saved
+        ctx.save_for_backward(logits, *saved)
+        ctx.chunk = chunk
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, *saved = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for k in range(0, len(saved), 3):
+            rows = slice(k // 3 * ctx.chunk, k // 3 * ctx.chunk + saved[k].shape[0])
+            out[rows] = _flawed_grad(grad[rows], *saved[k:k + 3])
+        return out, None, None, None, None
+
+
+CHUNK_FLAWS = ("chunked: rank-local shift",)
 
 
 def _funcol_logprob(logits, target, group, detached=False):
@@ -110,6 +151,9 @@ def _logprob_entropy(code, logits, target, **kw):
         return megatron_logprob(logits, target, temperature=kw.get("temperature", 1.0)), None
     if code.startswith("funcol"):
         return _funcol_logprob(logits, target, dist.group.WORLD, detached=code == "funcol detached"), None
+    if code.startswith("chunked"):
+        return _Chunked.apply(logits, target, dist.group.WORLD, code.removeprefix("chunked: ") if ":" in code
+                              else "none", 5), None
     if code in FLAWS or code == "none":
         return _Flawed.apply(logits, target, dist.group.WORLD, code), None
     return slime_style_logprob_entropy(logits, target, **kw)
@@ -132,10 +176,13 @@ CASES = [
     ("slime", {"with_entropy": True, "chunk_size": 10}, torch.float32),
     ("slime", {"with_entropy": True}, torch.bfloat16),
     *[(flaw, {}, torch.float64) for flaw in ("none",) + FLAWS],
+    ("chunked", {}, torch.float64),
+    ("chunked", {}, torch.float32),
+    *[(flaw, {}, torch.float64) for flaw in CHUNK_FLAWS],
     ("funcol", {}, torch.float64),
     ("funcol detached", {}, torch.float64),
 ]
-FEWER_CASES = [CASES[0], CASES[4], CASES[7]]  # at TP=4, and at TP=1 (a group of one)
+FEWER_CASES = [CASES[0], CASES[4], CASES[7], ("chunked", {}, torch.float64)]  # at TP=4, and at TP=1 (a group of one)
 
 
 def _case(rank, world, code, kw, dtype):
@@ -229,7 +276,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
     cases, per_rank = _spawned(world)
     for index, case in enumerate(cases):
         code, kw, dtype = case
-        if code in FLAWS or code.startswith("funcol"):
+        if code in FLAWS + CHUNK_FLAWS or code.startswith("funcol"):
             continue
         calls = -(-T // kw["chunk_size"]) if "chunk_size" in kw else 1
         for rank, results in enumerate(per_rank):
@@ -239,7 +286,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
             assert len(r["sites"]) == calls, where
             kind, tp_size, group, colls, grads = r["sites"][0]
             assert tp_size == world and group, where
-            assert kind == ("-logprob" if code == "megatron" else "logprob" if code == "none" else
+            assert kind == ("-logprob" if code == "megatron" else "logprob" if code in ("none", "chunked") else
                             "logprob+entropy" if kw.get("with_entropy") else "logprob"), where
             assert grads[-1] == kw.get("with_entropy_grad", True), where
             assert [c[:2] for c in colls] == ([("all_gather", world)] if world > 1 else []), where
@@ -255,7 +302,7 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
 def test_one_all_gather_per_call_none_in_backward_same_on_every_rank(world):
     cases, per_rank = _spawned(world)
     for index, case in enumerate(cases):
-        if case[0] in FLAWS or case[0].startswith("funcol"):
+        if case[0] in FLAWS + CHUNK_FLAWS or case[0].startswith("funcol"):
             continue
         logs = [(results[index]["forward_log"], results[index]["backward_log"]) for results in per_rank]
         forward, backward = logs[0]
@@ -266,7 +313,7 @@ def test_one_all_gather_per_call_none_in_backward_same_on_every_rank(world):
             (_case_id(case), forward)
 
 
-@pytest.mark.parametrize("flaw", FLAWS)
+@pytest.mark.parametrize("flaw", FLAWS + CHUNK_FLAWS)
 def test_a_function_with_different_math_stays_as_it_is(flaw):
     cases, per_rank = _spawned(2)
     index = [c[0] for c in cases].index(flaw)

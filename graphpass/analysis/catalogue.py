@@ -41,6 +41,8 @@ ELEMENTWISE = CASTS | set(MASK_ARG) | {
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
     aten.special_entr.default, aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other,
     aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+    # Python's `|`, `&`, `^` on masks (`(t < first) | (t >= last)`): bitwise ops without the tag.
+    aten.__or__.Tensor, aten.__and__.Tensor, aten.__xor__.Tensor,
 }
 #: Broadcasting of a list of operands, one output each (Categorical.log_prob's index).
 BROADCASTS = {aten.broadcast_tensors.default}
@@ -124,6 +126,10 @@ def is_row_matmul(node) -> bool:
 
 
 ROW_MATMULS = {aten.linear.default, aten.matmul.default}
+#: Products of two matrices (`a @ b` of 2-d values is `matmul`, or `mm` once decomposed).
+MATRIX_PRODUCTS = {aten.mm.default, aten.matmul.default}
+#: A buffer of zeros (a gradient accumulated into, chunk by chunk).
+ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 
 
 def is_deterministic_pointwise(target) -> bool:

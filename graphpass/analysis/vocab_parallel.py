@@ -184,7 +184,7 @@ class _ShardEvaluator(recognize.Evaluator):
 
     def local_index(self, node):
         """The target `t` if `node` is this rank's column of `t`, 0 where it does not own `t`."""
-        found = self._zero_where_mask(recognize.behind_views(node))
+        found = self._zero_where_mask(_unwrapped(recognize.behind_views(node), self.width))
         if found is None:
             return None
         shifted, t = found
@@ -193,6 +193,19 @@ class _ShardEvaluator(recognize.Evaluator):
                 _constant(self.gm, shifted.args[1]) != self.first_column or len(shifted.args) > 2:
             return None
         return t
+
+
+def _unwrapped(node, width):
+    """`i` behind `where(i < 0, i + width, i)`, the wrap of a negative index that indexing does
+    (`index_rows_as_gather` writes it); else `node`. For a local index (in `[0, width)` where
+    this rank owns the target, 0 elsewhere) the wrap changes nothing."""
+    if recognize.packet(node) is not aten.where or len(node.args) != 3:
+        return node
+    test, wrapped, index = node.args
+    if (recognize.packet(test) is aten.lt and test.args[0] is index and test.args[1] == 0
+            and recognize.packet(wrapped) is aten.add and wrapped.args[0] is index and wrapped.args[1] == width):
+        return index
+    return node
 
 
 def _all_reduce(ev: _ShardEvaluator, n):

@@ -5,7 +5,9 @@ Where the forward computes exactly log-probs and/or entropies and the backward i
 math that the chunk pass rewrites: one site, the lm_head fused when the matmul is in the graph,
 values and every input gradient as eager's. Twins whose backward differs (a dropped entropy
 gradient, a forgotten temperature, a straight-through estimate, a branch on logits, a gradient for
-another input) must run as written, the user's backward kept, with the reason recorded.
+another input) must run as written, the user's backward kept, with the reason recorded. The same
+for Functions that loop over chunks of rows, and for Functions that multiply by the output layer
+themselves (read at their logits: `hidden @ W.T`, then the plain math, the lm_head fused).
 """
 
 from __future__ import annotations
@@ -403,3 +405,151 @@ def test_a_log_normaliser_that_is_no_log_prob_is_kept_with_its_reason():
     assert record.sites == [] and len(reasons) == 1 and "logsumexp" in reasons[0] and \
         "is not a log-prob or an entropy" in reasons[0], (record.sites, record.rejected)
     assert _err(x.grad, torch.softmax(x.detach(), -1) * torch.arange(T)[:, None]) <= 1e-12
+
+
+# ---- Functions that multiply by the output layer themselves ---------------------------------------
+class _HeadChunked(torch.autograd.Function):
+    """TRL's / prime-rl's / NeMo-RL's shape: per chunk of rows, `z = hidden @ W.T / t`, its
+    log-prob and entropy, each row's log-sum-exp saved; in backward `z` recomputed, `dz`, then
+    `dhidden[chunk] = dz @ W / t` and `dW += dz.T @ hidden[chunk] / t`. `flaw` names how the
+    backward differs from the gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature: float, chunk: int, flaw: str):
+        logprobs, entropies, lses = [], [], []
+        for start in range(0, hidden.shape[0], chunk):
+            z = hidden[start:start + chunk] @ weight.T / temperature
+            lse = z.logsumexp(-1)
+            p = (z - lse[:, None]).exp()
+            logprobs.append(z.gather(-1, target[start:start + chunk, None])[:, 0] - lse)
+            entropies.append(lse - (p * z).sum(-1))
+            lses.append(lse)
+        ctx.save_for_backward(hidden, weight, target, torch.cat(lses))
+        ctx.temperature, ctx.chunk, ctx.flaw = temperature, chunk, flaw
+        return torch.cat(logprobs), torch.cat(entropies)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, target, lse = ctx.saved_tensors
+        t, flaw = ctx.temperature, ctx.flaw
+        dhidden, dweight = torch.empty_like(hidden), torch.zeros_like(weight)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            z = hidden[rows] @ weight.T / t
+            p = (z - lse[rows, None]).exp()
+            dz = (-p * grad_logprob[rows, None]).scatter_add(-1, target[rows, None], grad_logprob[rows, None])
+            if flaw != "entropy gradient dropped":
+                dz = dz + p * ((p * z).sum(-1, keepdim=True) - z) * grad_entropy[rows, None]
+            dhidden[rows] = dz @ weight / t
+            dweight += dz.T @ hidden[rows] / (1.0 if flaw == "temperature forgotten in dW" else t)
+        return dhidden, dweight, None, None, None, None
+
+
+@pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "temperature forgotten in dW"])
+@pytest.mark.parametrize("chunk", [5, T])
+def test_a_function_with_the_output_layer_inside_is_read_at_its_logits(flaw, chunk):
+    """The Function becomes `hidden @ W.T` (the lm_head fused) and the plain math of its logits
+    when its backward is their chain rule and its logits' gradient checks out; else it runs as
+    written, the reason naming what differs. float64: values and both gradients to 1e-12."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) / 2
+    target = torch.randint(0, V, (T,), generator=g)
+    weights = torch.randn(2, T, generator=g, dtype=torch.float64)
+
+    def fn(hidden, weight):
+        return _loss(*_HeadChunked.apply(hidden, weight, target, 0.7, chunk, flaw), weights)
+
+    def plain(hidden, weight):
+        logp = (hidden @ weight.T / 0.7).log_softmax(-1)
+        return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
+
+    exact, eager, compiled = ([t.clone().requires_grad_() for t in (hidden, weight)] for _ in range(3))
+    want, got_eager = plain(*exact), fn(*eager)
+    want.backward()
+    got_eager.backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    if flaw == "none":
+        assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)] and \
+            reasons == [], (record.sites, record.rejected)
+        assert _err(value, want) <= 1e-12
+        for got, exact_t in zip(compiled, exact):
+            assert _err(got.grad, exact_t.grad) <= 1e-12
+        return
+    assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
+    assert _err(value, got_eager) <= 1e-12
+    for got, ref in zip(compiled, eager):
+        assert _err(got.grad, ref.grad) <= 1e-12
+    expected = {"entropy gradient dropped": "is not the gradient of its forward's math",
+                "temperature forgotten in dW": "multiplies different values"}[flaw]
+    assert "output layer's product" in reasons[0] and expected in reasons[0], reasons[0]
+
+
+class _HeadWithBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target):
+        logp = (hidden @ weight.T + bias).log_softmax(-1)
+        ctx.save_for_backward(logp, hidden, weight, target)
+        return logp.gather(-1, target[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, hidden, weight, target = ctx.saved_tensors
+        dz = (F.one_hot(target, logp.shape[-1]).to(logp.dtype) - logp.exp()) * grad[:, None]
+        return dz @ weight, dz.T @ hidden, dz.sum(0), None
+
+
+def test_an_output_layer_the_cut_does_not_model_keeps_the_function():
+    g = torch.Generator().manual_seed(6)
+    args = [torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True),
+            torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True),
+            torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)]
+    target = torch.randint(0, V, (T,), generator=g)
+    value, record = _compile(lambda h, w, b: _HeadWithBias.apply(h, w, b, target).sum(), *args)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    assert record.sites == [] and len(reasons) == 1 and "substitute_in_graph" in reasons[0], record
+
+
+class _HeadTransposed(torch.autograd.Function):
+    """An `[H, V]` weight (`hidden @ W`), the product upcast to fp32, `dz` cast back for the GEMMs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target):
+        logp = (hidden @ weight).float().log_softmax(-1)
+        ctx.save_for_backward(hidden, weight, target, logp)
+        return logp.gather(-1, target[:, None])[:, 0].to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, target, logp = ctx.saved_tensors
+        dz = ((F.one_hot(target, logp.shape[-1]).float() - logp.exp()) * grad.float()[:, None]).to(hidden.dtype)
+        return dz @ weight.T, hidden.T @ dz, None
+
+
+def test_an_output_layer_stored_transposed_is_read_too():
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(H, V, generator=g, dtype=torch.float64) / 3
+    target = torch.randint(0, V, (T,), generator=g)
+    advantages = torch.randn(T, generator=g, dtype=torch.float64)
+
+    def fn(hidden, weight):
+        return (_HeadTransposed.apply(hidden, weight, target) * advantages).sum()
+
+    def plain(hidden, weight):
+        return ((hidden @ weight).log_softmax(-1).gather(-1, target[:, None])[:, 0] * advantages).sum()
+
+    exact, eager, compiled = ([t.clone().requires_grad_() for t in (hidden, weight)] for _ in range(3))
+    want, got_eager = plain(*exact), fn(*eager)
+    want.backward()
+    got_eager.backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)], record
+    # As close to the float64 math as eager's Function (whose upcast rounds to float32).
+    assert _err(value, want) <= 2 * _err(got_eager, want) + 1e-12
+    for got, ref, exact_t in zip(compiled, eager, exact):
+        assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-12

@@ -1,0 +1,217 @@
+"""An `autograd.Function` that multiplies by the output layer itself, read as a Function of its logits.
+
+A hand-written lm_head kernel computes `z = hidden @ W.T` (whole, or chunk by chunk over rows),
+log-probs and/or entropies of `z`, and in backward the logits' gradient `dz` from `z` recomputed,
+then `dhidden = dz @ W` and `dW = dz.T @ hidden`. With its chunk loops folded
+(`fold_function_body`), its joint graph (forward then backward) is checked to be exactly that
+chain rule around one product `z`, and its logits-level part is cut out: a joint of `z` alone,
+`(z, *other inputs, *grad_outputs) -> (*outputs, dz, None, ...)`, whose forward is matched and
+whose backward is checked as any logits Function's is (`backward_check`).
+
+Changes only the joint it is handed (a copy graphpass captured to read); the cut is a new graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from graphpass._torch_api import detect_fake_mode, fake_node
+from graphpass.analysis import catalogue
+from graphpass.analysis.lm_head import LmHead, match_matmul
+from graphpass.fx_utils import hashable, transitive_inputs
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class OutputLayerCut:
+    """A lm_head Function's joint, cut at its logits."""
+
+    head: LmHead
+    """The product `z = hidden @ W.T` in the joint; `head.hidden` and `head.weight` are placeholders."""
+    hidden_position: int
+    weight_position: int
+    """Positions of the hidden states and the weight among the Function's inputs."""
+    logits_joint: torch.fx.GraphModule
+    """`(z, *other inputs, *grad_outputs) -> (*outputs, dz, None per other input)`."""
+    other_positions: list[int]
+    """The Function's input position of each of `logits_joint`'s inputs after `z` (those its
+    math reads besides the hidden states and the weight)."""
+    example_inputs: list
+    """Fake values of `logits_joint`'s inputs (before the grad outputs)."""
+
+
+def read_transposes(joint: torch.fx.GraphModule, transposes: dict[int, int]) -> None:
+    """Read the joint's input `i` as `t(input j)` for each `i: j` of `transposes`: a Function's
+    `weight.T`, which Dynamo hands in beside `weight` (once per use), is the weight's transpose."""
+    graph = joint.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    made = {}
+    for i, j in transposes.items():
+        if j not in made:
+            with graph.inserting_after(placeholders[-1]):
+                made[j] = graph.call_function(aten.t.default, (placeholders[j],))
+            made[j].meta.update(placeholders[i].meta)
+        placeholders[i].replace_all_uses_with(made[j], propagate_meta=False)
+
+
+def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: int) -> OutputLayerCut | str:
+    """The joint of a Function of `len(example_inputs)` inputs and `n_outputs` outputs, cut at
+    the output layer's product, or why it is not that chain rule (a phrase about the user's code)."""
+    graph = joint.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    inputs, n_inputs = placeholders[:len(example_inputs)], len(example_inputs)
+    _merge_repeats(graph)  # the backward's recomputed logits are the forward's
+    heads = []
+    for node in graph.nodes:
+        head, _ = match_matmul(node) if node.op == "call_function" else (None, None)
+        if head is not None and head.hidden in inputs and head.weight in inputs:
+            heads.append(head)
+    if len(heads) != 1:
+        return f"it multiplies its inputs {len(heads)} times where one output layer's product was expected" \
+            if heads else "its output layer's product is not one product of its inputs (vocabulary blocks of " \
+                          "the weight, casts or views on the way)"
+    head = heads[0]
+    if head.bias is not None:
+        return "its output layer has a bias"
+    results = list(graph.output_node().args[0])
+    outputs, grads = results[:n_outputs], results[n_outputs:]
+    h_pos, w_pos = inputs.index(head.hidden), inputs.index(head.weight)
+    for i, grad in enumerate(grads):
+        if i not in (h_pos, w_pos) and grad is not None:
+            return f"its backward returns a gradient for its input {i + 1}, not the hidden states or the weight"
+    dz = _logits_gradient(head, grads[h_pos], grads[w_pos])
+    if isinstance(dz, str):
+        return dz
+    # The other inputs the math reads (not a `weight.T` read as the weight's transpose).
+    other_positions = [i for i, p in enumerate(inputs) if i not in (h_pos, w_pos) and p.users]
+    others = [inputs[i] for i in other_positions]
+    logits_joint = _cut(graph, head, others, placeholders[n_inputs:], outputs, dz)
+    if isinstance(logits_joint, str):
+        return logits_joint
+    return OutputLayerCut(head, h_pos, w_pos, logits_joint, other_positions,
+                          [head.logits.meta["val"], *(example_inputs[i] for i in other_positions)])
+
+
+def _logits_gradient(head: LmHead, dhidden, dweight):
+    """(`d`, scaling): the one node `d` with `dhidden = (d @ W) * s` and `dW = (d.T @ hidden) * s`
+    for one constant scaling `s` (casts and copies aside), so that the logits' gradient is
+    `d * s`; or why not."""
+    found = []
+    if dhidden is not None:
+        product, scale = _scaled(dhidden)
+        if not _is_product(product) or _plain(_right_operand(product, head.weight_transposed)) is not head.weight:
+            return "its backward does not multiply the logits' gradient by the weight for the hidden states'"
+        found.append((_plain(product.args[0]), scale))
+    if dweight is not None:
+        product, scale = _scaled(dweight)
+        # dW [V, H] = dz.T @ hidden; for an [H, V] weight, dW = hidden.T @ dz.
+        if not _is_product(product):
+            return "its backward does not compute the weight's gradient as one product"
+        left, right = product.args[:2]
+        dz, other = (_plain(right), _untransposed(left)) if head.weight_transposed else (_untransposed(left),
+                                                                                       _plain(right))
+        if other is None or _plain(other) is not head.hidden or dz is None:
+            return "its backward does not multiply the logits' gradient by the hidden states for the weight's"
+        found.append((_plain(dz), scale))
+    if not found:
+        return "its backward returns no gradient for the hidden states or the weight"
+    if any(f != found[0] for f in found):
+        return "its backward multiplies different values for the hidden states' and the weight's gradients"
+    return found[0]
+
+
+def _cut(graph, head: LmHead, others, grad_placeholders, outputs, gradient):
+    """The logits-level joint: the nodes `outputs` and the logits' gradient `(d, scale)` need,
+    `z` a placeholder; or why not."""
+    dz, scale = gradient
+    new, env = torch.fx.Graph(), {}
+    root = torch.nn.Module()
+    env[head.logits] = new.placeholder("logits")
+    env[head.logits].meta.update(head.logits.meta)
+    for p in [*others, *grad_placeholders]:
+        env[p] = new.placeholder(p.name)
+        env[p].meta.update(p.meta)
+    seeds = [o for o in (*outputs, dz) if isinstance(o, torch.fx.Node)]
+    needed = set(seeds) | transitive_inputs(seeds, stop={head.logits})
+    for node in graph.nodes:
+        if node not in needed or node in env:
+            continue
+        if node.op == "placeholder":  # the hidden states or the weight, read beside the product
+            return "its log-probs or their gradient read the hidden states or the weight beside their product"
+        if node.op == "get_attr":
+            setattr(root, node.target, getattr(graph.owning_module, node.target))
+        env[node] = new.node_copy(node, lambda n: env[n])
+    grad = env[dz]
+    if scale != 1.0:
+        grad = fake_node(new, detect_fake_mode([dz.meta["val"]]), aten.mul.Tensor, (grad, scale), like=dz)
+    new.output((*[env[o] if isinstance(o, torch.fx.Node) else o for o in outputs], grad, *[None] * len(others)))
+    return torch.fx.GraphModule(root, new)
+
+
+def _merge_repeats(graph: torch.fx.Graph) -> None:
+    """One node for each deterministic op computed twice on the same operands."""
+    seen = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _deterministic(node.target):
+            continue
+        key = (node.target, hashable(node.args), hashable(node.kwargs))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+        else:
+            seen[key] = node
+
+
+def _deterministic(target) -> bool:
+    """An op of the captured (functional) graph that draws no random numbers."""
+    return hasattr(target, "tags") and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _is_product(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target in catalogue.MATRIX_PRODUCTS
+
+
+def _right_operand(product, transposed: bool):
+    """The weight as `dz @ W` reads it: `W` for a `[V, H]` weight, `W.T` for an `[H, V]` one."""
+    right = product.args[1]
+    return _untransposed(right) if transposed else right
+
+
+def _plain(node):
+    """`node` behind casts and copies: `x.to(dtype)`, `clone(x)`, `expand_as(x, y)` of `y`'s shape,
+    `zeros + x` (a gradient buffer written once)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target in catalogue.CASTS or node.target is aten.clone.default or (
+                node.target is aten.expand_as.default
+                and tuple(node.args[0].meta["val"].shape) == tuple(node.meta["val"].shape)):
+            node = node.args[0]
+        elif node.target is aten.add.Tensor and not node.kwargs and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].target in catalogue.ZEROS and isinstance(node.args[1], torch.fx.Node):
+            node = node.args[1]
+        else:
+            return node
+    return node
+
+
+def _scaled(node):
+    """(`x`, `s`) for `node` = `x * s` (or `x / c`, `s = 1 / c`) of a constant, casts and copies aside."""
+    node, scale = _plain(node), 1.0
+    while isinstance(node, torch.fx.Node) and node.target in (aten.mul.Tensor, aten.div.Tensor) \
+            and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool) and node.args[1] != 0:
+        scale = scale * node.args[1] if node.target is aten.mul.Tensor else scale / node.args[1]
+        node = _plain(node.args[0])
+    return node, scale
+
+
+def _untransposed(node):
+    """`x` if `node` is `x.T` of a matrix (through casts and copies), else None."""
+    node = _plain(node)
+    if isinstance(node, torch.fx.Node) and (node.target is aten.t.default or (
+            node.target is aten.permute.default and list(node.args[1]) == [1, 0]) or (
+            node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) == [0, 1])):
+        return node.args[0]
+    return None
