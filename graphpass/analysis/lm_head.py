@@ -47,7 +47,8 @@ class LmHead:
 
 
 
-def _is_matrix_transpose(node) -> bool:
+def is_matrix_transpose(node) -> bool:
+    """`x.T` of a 2-d `x`: `t`, `transpose(0, 1)` or `permute([1, 0])`."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES):
         return False
     val = fake_value(node.args[0])
@@ -112,7 +113,7 @@ def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
         return None, "its operands are not tensors"
     if kind == "weight":
         weight, transposed = right, False
-    elif _is_matrix_transpose(right):
+    elif is_matrix_transpose(right):
         weight, transposed = right.args[0], False
     else:
         weight, transposed = right, True

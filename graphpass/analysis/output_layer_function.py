@@ -20,7 +20,7 @@ import torch.fx
 
 from graphpass._torch_api import detect_fake_mode, fake_node
 from graphpass.analysis import catalogue
-from graphpass.analysis.lm_head import LmHead, match_matmul
+from graphpass.analysis.lm_head import LmHead, is_matrix_transpose, match_matmul
 from graphpass.fx_utils import hashable, transitive_inputs
 
 aten = torch.ops.aten
@@ -210,8 +210,4 @@ def _scaled(node):
 def _untransposed(node):
     """`x` if `node` is `x.T` of a matrix (through casts and copies), else None."""
     node = _plain(node)
-    if isinstance(node, torch.fx.Node) and (node.target is aten.t.default or (
-            node.target is aten.permute.default and list(node.args[1]) == [1, 0]) or (
-            node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) == [0, 1])):
-        return node.args[0]
-    return None
+    return node.args[0] if is_matrix_transpose(node) else None
