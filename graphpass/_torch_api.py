@@ -430,11 +430,12 @@ def functional_all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.all_gather_single(x, 0, group_name)
 
 
-def functional_reduce_scatter(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """This rank's block of dim 0 of the sum of every rank's `x`, as a traceable functional collective."""
+def functional_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of dim 0 of the sum of every rank's `x`, as a traceable functional collective
+    (`group`: a process group or its name)."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.reduce_scatter_single(x, "sum", 0, group_name)
+    return funcol.reduce_scatter_single(x, "sum", 0, group)
 
 
 def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

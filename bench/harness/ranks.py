@@ -35,6 +35,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as _functional_collectives
 import torch.multiprocessing as mp
 
 #: The `torch.distributed` functions a rank logs (those that exist in this torch).
@@ -103,6 +104,8 @@ def _describe(value):
 def _logged(name, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced into a graph (one Dynamo does not remap): no log
+            return fn(*args, **kwargs)
         if _DEPTH[0] == 0:
             group = kwargs.get("group")
             size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -142,6 +145,11 @@ def _install_collective_log() -> None:
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is fn:
             setattr(dist, name, wrapped)
+        # Dynamo traces a collective it finds in this table as its functional form (the log is of
+        # eager calls): so it must find the wrapper there too, whichever was imported first.
+        remaps = _functional_collectives.traceable_collective_remaps
+        if fn in remaps:
+            remaps[wrapped] = remaps[fn]
 
 
 def _entry(rank, fn, world_size, port, args, out_dir, pg_timeout_s, backend="gloo"):

@@ -26,8 +26,9 @@ log = logging.getLogger("graphpass")
 
 def register_available() -> None:
     """Register the stand-ins of every library that is imported now or will be (idempotent)."""
-    from graphpass.integrations import megatron, trl, verl
+    from graphpass.integrations import megatron, torch_distributed, trl, verl
 
+    torch_distributed.register()
     _when_imported(megatron.MODULE, megatron.register_for)
     _when_imported(trl.MODULE, trl.register_for)
     _when_imported(verl.MODULE, verl.register_for)
