@@ -338,6 +338,12 @@ class _Loop:
             return True  # the same node in both: a loop-invariant value
         if a in self.matched[i]:
             return self.matched[i][a] is b
+        if _is_copy(a) != _is_copy(b):
+            # `.contiguous()` copies only where a chunk's layout needs it (not a one-row chunk's).
+            if _is_copy(b):
+                return self.match(a, b.args[0], i)
+            self.matched[i][a] = b
+            return self.match(a.args[0], b, i)
         pa, pb = self._pick(a), self._pick(b)
         if pa is not None or pb is not None:
             if pa is None or pb is None or pa[:2] != pb[:2]:
@@ -463,6 +469,8 @@ class _Batcher:
             b = self._broadcast_batch_dim(node)
         elif catalogue.is_row_matmul(node):
             b = self._row_matmul_batch_dim(node)
+        elif target is aten.transpose.int:
+            b = self._transposed_batch_dim(node, args)
         else:
             b = None
         if b is None:
@@ -528,6 +536,20 @@ class _Batcher:
                     return None
         return out_b
 
+    def _transposed_batch_dim(self, node, args):
+        """The loop dim of `x.transpose(d0, d1)` (its dims pointed at the batched `x`, in place in
+        `args`): the loop dim moves with the dim it is swapped with, or stays."""
+        x, d0, d1 = node.args[:3]
+        b = self.batch_dim.get(x)
+        rank = x.meta["val"].ndim  # the piece's
+        if b is None or not isinstance(d0, int) or not isinstance(d1, int):
+            return None
+        d0, d1 = d0 % rank, d1 % rank
+        if self.stack:  # the piece lacks the loop dim: its dim p is the batched p, or p + 1 from b on
+            args[1], args[2] = d0 + (d0 >= b), d1 + (d1 >= b)
+            return b
+        return {d0: d1, d1: d0}.get(b, b)
+
     def _row_matmul_batch_dim(self, node):
         """The loop dim of an lm_head's output (`catalogue.is_row_matmul`: each output row is its
         hidden row times a loop-invariant weight), as the hidden states': any dim but their last,
@@ -585,6 +607,11 @@ _DIM_ARG = {
     aten.select.int: (1, "in"),  # of a one-wide dim (`_selects_a_unit_dim`): a squeeze written `x[:, 0]`
     **{op: (1, "in") for op in _SCATTERS},
 }
+
+
+def _is_copy(node) -> bool:
+    """`x.clone()` (or the copy `.contiguous()` makes): the values of `x`."""
+    return node.op == "call_function" and node.target is aten.clone.default and set(node.kwargs) <= {"memory_format"}
 
 
 def _same_constant(a, b) -> bool:

@@ -31,11 +31,12 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.backward_check import check_backward, joint_module
-from graphpass.analysis.output_layer_function import cut_at_logits, read_transposes
+from graphpass.analysis.output_layer_function import (cut_at_logits, issues_collectives, output_layer_inside,
+                                                       read_transposes, transposed_inputs)
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
-from graphpass.fx_utils import is_floating, target_name, transitive_inputs, transitive_users
+from graphpass.fx_utils import target_name, transitive_inputs
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
 from .fold_row_loops import fold_function_body, read_folded
@@ -97,9 +98,11 @@ def _match(hop, stub):
     match = read_folded(captured.gm, vals, lambda gm: match_single_device(gm, outputs()),
                         lambda m: m is not None and not isinstance(m, str))
     if match is None or isinstance(match, str):
-        product = _output_layer_inside(captured.gm)
+        product = output_layer_inside(captured.gm)
         if product is None:
             return _unread_log_softmax(captured.gm, match)
+        if issues_collectives(captured.gm):
+            return None  # a vocab-parallel lm_head Function: replace_vocab_parallel_functions reads it
         if hop.mutates_inputs or captured.mutated_inputs:
             return _OUTPUT_LAYER_KEPT.format(source_of(product), "it writes into its inputs")
         return _match_output_layer(hop, product, tensors, vals, [o.meta["val"] for o in outputs()], n_saved)
@@ -154,7 +157,7 @@ def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
         return _OUTPUT_LAYER_KEPT.format(where, f"its backward does not trace on fake values ({type(e).__name__})")
     if joint.mutated_inputs:
         return _OUTPUT_LAYER_KEPT.format(where, "its backward writes into its inputs")
-    read_transposes(joint.gm, _transposes(tensors))
+    read_transposes(joint.gm, transposed_inputs(tensors))
     fold_function_body(joint.gm, vals + grads)
     cut = cut_at_logits(joint.gm, vals, len(output_vals))
     if isinstance(cut, str):
@@ -177,16 +180,6 @@ def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
     return match, None, target, non_differentiable, (cut, tensors[cut.hidden_position], tensors[cut.weight_position])
 
 
-def _transposes(tensors) -> dict[int, int]:
-    """{i: j} where the Function's input `i` is its input `j` transposed (a matrix's `.T`)."""
-    found = {}
-    for i, t in enumerate(tensors):
-        if t.op == "call_function" and (t.target is aten.t.default or (
-                t.target is aten.permute.default and list(t.args[1]) == [1, 0])) and t.args[0] in tensors:
-            found[i] = tensors.index(t.args[0])
-    return found
-
-
 def _emit_logits(graph, stub, cut, hidden, weight):
     """The Function's logits in the caller's graph, before `stub`: its product of the caller's
     hidden states and weight, as the Function wrote it (`hidden @ W.T`), which the lm_head fusion
@@ -201,25 +194,6 @@ def _emit_logits(graph, stub, cut, hidden, weight):
             args = torch.fx.node.map_arg(node.args, lambda n: env[n])
             env[node] = _torch_api.fake_node(graph, fake_mode, node.target, args, dict(node.kwargs), like=stub)
     return env[head.logits]
-
-
-#: The products an output layer's logits come from, as captured: where each reads its two operands.
-_PRODUCTS = {aten.matmul.default: slice(0, 2), aten.linear.default: slice(0, 2), aten.mm.default: slice(0, 2),
-             aten.bmm.default: slice(0, 2), aten.addmm.default: slice(1, 3)}
-
-
-def _output_layer_inside(gm: torch.fx.GraphModule):
-    """The product of two of its float inputs a Function's forward normalises (logits `hidden @ W.T`
-    it computes itself), or None for any other Function."""
-    inputs = [p for p in gm.graph.find_nodes(op="placeholder") if is_floating(p)]
-    from_inputs = set(inputs) | transitive_users(inputs)  # nodes computed from a float input
-    for product in gm.graph.nodes:
-        operands = product.args[_PRODUCTS[product.target]] if product.target in _PRODUCTS else ()
-        if len(operands) < 2 or not all(a in from_inputs for a in operands):
-            continue
-        if any(catalogue.normalises(n) for n in transitive_users([product])):
-            return product
-    return None
 
 
 #: What only a log-prob's math computes (a plain softmax is also attention's).

@@ -15,6 +15,15 @@ actor divides (the op's `rounded_division`: each chunk divided in that dtype, ro
 does, then upcast; its gradient divided in that dtype as eager's autograd divides it). Anything
 else stays as it was; a Function with collectives that does not match is recorded with the reason.
 
+A Function that multiplies by this rank's weight shard itself (NeMo-RL's
+`ChunkedDistributedHiddenStatesToLogprobs`) is read at its logits
+(`output_layer_function.cut_forward_at_logits`): it becomes the product (its hidden states' rows
+all-gathered first where it gathers them) and the op on the product's cast and permuted rows.
+A chunked Function's forward that Dynamo inlined on a rank where no input requires grad is
+folded as its body is where it is replaced (`_fold_where_it_reads`), and the op reads logits
+through permutations of their rows (`_read_through`): every rank gets the same op, in the same
+row order, and issues the same collectives.
+
 When the logits the op then reads are this rank's lm_head, `F.linear(hidden, W_shard (, b_shard))`
 or `hidden @ W_shard.t()` in the same graph and grad mode, read by nothing else, the op becomes
 `graphpass::vocab_parallel_lm_head_logprob_entropy(hidden, W_shard, b_shard, ...)`: each chunk's
@@ -41,11 +50,15 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
+from graphpass.analysis.backward_check import joint_module
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
+from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at_logits, hidden_gradient_collective,
+                                                      output_layer_inside, read_transposes, transposed_inputs)
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, match_token_loss,
                                                 values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of, written_inputs
+from graphpass.fx_utils import copy_graph_module
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
@@ -53,7 +66,7 @@ from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRec
 
 # The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
 from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
-from .fold_row_loops import read_folded
+from .fold_row_loops import fold_function_body, read_folded
 
 aten = torch.ops.aten
 
@@ -71,7 +84,7 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
         if hop.target is not _torch_api.autograd_function_apply():
             continue
         match = _match_function(hop, stub)
-        if not isinstance(match, VocabParallelMatch):
+        if not isinstance(match, (VocabParallelMatch, _OutputLayerFunction)):
             if match is not None:
                 record.rejected.append(Rejection(source_of(stub), match))
             continue
@@ -79,6 +92,8 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
         if lost is not None:
             record.rejected.append(Rejection(source_of(stub), f"vocab-parallel Function kept: {lost}"))
             continue
+        if isinstance(match, _OutputLayerFunction):  # its product first, then the op reads it
+            match = _emit_output_layer(gm.graph, stub, match)
         built.append(_replace_function(gm.graph, stub, hop, match, config))
     built = _merge_same_logits(gm.graph, built, record)
     built = [(*b, True) for b in built]  # (site, op node, whether its gradients may be computed in forward)
@@ -575,7 +590,7 @@ def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     return dataclasses.replace(head, logits=logits, bias=bias, nodes=[logits, matmul, *checks]), None
 
 
-def _match_function(hop, stub) -> VocabParallelMatch | str | None:
+def _match_function(hop, stub) -> VocabParallelMatch | _OutputLayerFunction | str | None:
     """The match of the Function behind `stub`, else why it is kept (one line), or None for a
     Function with no collective that computes no log-prob or entropy: none of this pass's business."""
     forward = hop.bodies[0]
@@ -597,12 +612,101 @@ def _match_function(hop, stub) -> VocabParallelMatch | str | None:
     if (why := _torch_api.function_bodies_unread()) is not None:
         return f"vocab-parallel Function kept: {why}"
     if isinstance(match, str):
+        product = output_layer_inside(captured.gm)
+        if product is not None:
+            return _match_output_layer(hop, stub, captured, product, n_outputs)
         return f"vocab-parallel Function kept: {match}"
     # The forward's inputs are the stub's tensors, in order.
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     return dataclasses.replace(
         match, logits=tensors[placeholders.index(match.logits)],
         target=None if match.target is None else tensors[placeholders.index(match.target)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputLayerFunction:
+    """A vocab-parallel Function that multiplies by this rank's weight shard itself (NeMo-RL's
+    `ChunkedDistributedHiddenStatesToLogprobs`), read at its logits."""
+
+    match: VocabParallelMatch
+    """The math from its logits on (`logits` None until they are emitted; `target` the caller's)."""
+    cut: ForwardCut
+    hidden_gradient: str
+    """What its backward does with the hidden states' gradient: "reduce_scatter", "all_reduce", "local"."""
+
+
+_OUTPUT_LAYER_KEPT = "vocab-parallel Function kept: it multiplies by the output layer itself (at {}), but {}"
+
+
+def _match_output_layer(hop, stub, captured, product, n_outputs) -> _OutputLayerFunction | str:
+    """The Function behind `stub`, whose forward computes its logits itself (`product`), read at
+    those logits (`output_layer_function.cut_forward_at_logits`), else why it is kept.
+
+    Its forward from the logits on must be vocab-parallel log-probs/entropies, as a logits
+    Function's must; its backward is trusted as a logits Function's is, once it returns gradients
+    for the hidden states and the weight alone and communicates the hidden states' gradient as
+    the forward implies (reduce-scattered where their rows were all-gathered)."""
+    forward, backward = hop.bodies[0], hop.bodies[1]
+    tensors = stub.args[1]
+    vals = [t.meta["val"] for t in tensors]
+    where = source_of(product)
+    if hop.mutates_inputs or captured.mutated_inputs:
+        return _OUTPUT_LAYER_KEPT.format(where, "it writes into its inputs")
+    read = capture(forward, vals).gm
+    read_transposes(read, transposed_inputs(tensors))
+    fold_function_body(read, vals)
+    cut = cut_forward_at_logits(read, n_outputs)
+    if isinstance(cut, str):
+        return _OUTPUT_LAYER_KEPT.format(where, cut)
+    logits_forward = cut.logits_forward
+    match = match_forward(logits_forward, list(logits_forward.graph.output_node().args[0]), _rank_and_size)
+    if isinstance(match, str):
+        return _OUTPUT_LAYER_KEPT.format(where, f"its math on those logits is not read: {match}")
+    if cut.gathered_over not in (None, match.group_name):
+        return _OUTPUT_LAYER_KEPT.format(where, "it gathers the hidden states over another group than it reduces over")
+    outputs = list(captured.gm.graph.output_node().args[0])[:n_outputs]
+    grads = [torch.empty_like(o.meta["val"]) for o in outputs]
+    n_saved = len(forward.graph.output_node().args[0][1])
+    try:
+        joint = capture(joint_module(forward, backward, len(tensors), n_outputs, n_saved), vals + grads)
+    except Exception as e:  # noqa: BLE001 - a backward that does not trace cannot be read
+        return _OUTPUT_LAYER_KEPT.format(where, f"its backward does not trace on fake values ({type(e).__name__})")
+    kind, why = hidden_gradient_collective(joint.gm, n_outputs, cut, match.group_name)
+    if why is not None:
+        return _OUTPUT_LAYER_KEPT.format(where, why)
+    placeholders = list(logits_forward.graph.find_nodes(op="placeholder"))
+    target = None if match.target is None else tensors[cut.other_positions[placeholders.index(match.target) - 1]]
+    return _OutputLayerFunction(dataclasses.replace(match, logits=None, target=target), cut, kind)
+
+
+def _emit_output_layer(graph: torch.fx.Graph, stub, read: _OutputLayerFunction) -> VocabParallelMatch:
+    """The Function's logits in the caller's graph, before `stub`: this rank's product of the
+    hidden states (their rows all-gathered first where the Function gathers them: their gradient
+    then reduce-scattered, as its backward does) and the weight shard, cast and its rows permuted
+    as the Function does; the match reading them. The op reads through the cast and the
+    permutation (`_read_through`) and the lm_head fusion takes the product in."""
+    tensors, cut = stub.args[1], read.cut
+    hidden, weight = tensors[cut.hidden_position], tensors[cut.weight_position]
+    group = read.match.group_name
+    fake_mode = _torch_api.detect_fake_mode([hidden.meta["val"]])
+
+    def node(target, *args, **kwargs):
+        return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, like=stub)
+
+    with graph.inserting_before(stub):
+        if cut.gathered_over is not None:
+            gathered = node(_torch_api.functional_collectives.all_gather_into_tensor.default, hidden,
+                            _rank_and_size(group)[1], group)
+            hidden = node(_torch_api.functional_collectives.wait_tensor.default, gathered)
+        elif read.hidden_gradient == "all_reduce":
+            hidden = node(torch.ops.graphpass.sum_grads_over_group.default, hidden, group)
+        logits = node(aten.matmul.default, hidden,
+                      weight if cut.head.weight_transposed else node(aten.t.default, weight))
+        if cut.upcast is not None:
+            logits = node(aten._to_copy.default, logits, dtype=cut.upcast)
+        if list(cut.row_order) != sorted(cut.row_order):
+            logits = node(aten.permute.default, logits, [*cut.row_order, len(cut.row_order)])
+    return dataclasses.replace(read.match, logits=logits)
 
 
 def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
@@ -616,6 +720,8 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     not that of its values) stays as it is; so does code whose all-reduced values anything else
     reads (its collectives would still run beside the op's)."""
     match = match_graph(gm, _rank_and_size)
+    if isinstance(match, str) and match != NOT_PARALLEL and _fold_where_it_reads(gm, example_inputs):
+        match = match_graph(gm, _rank_and_size)
     if isinstance(match, str):
         # Collectives that compute no log-prob or entropy are none of this pass's business.
         if match not in (NOT_PARALLEL, NO_LOGPROB):
@@ -652,8 +758,29 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     return (*built, function_forward)
 
 
+def _fold_where_it_reads(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Fold `gm`'s loops over chunks of rows, each chunk's all-reduces with them, where the folded
+    graph reads as vocab-parallel math; True when folded, else `gm` is left as it is.
+
+    A chunked Function's forward that Dynamo inlined (no input required grad on this rank) is the
+    same code whose folded body `_match_function` reads on a rank where one did: both must become
+    the op, or the ranks would issue different collectives. The chunks' own all-reduces, read by
+    nothing once folded, go with them."""
+    folded = copy_graph_module(gm)
+    fold_function_body(folded, example_inputs)
+    if isinstance(match_graph(folded, _rank_and_size), str):
+        return False
+    fold_function_body(gm, example_inputs)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or (
+        n.is_impure() and n.target not in _FOLDED_COLLECTIVES))
+    gm.recompile()
+    return True
+
+
 _ALL_REDUCE = _torch_api.functional_collectives.all_reduce.default
 _COLLECTIVE_OPS = {_ALL_REDUCE, _torch_api.functional_collectives.wait_tensor.default}
+#: What a fold leaves unread of the chunks it folded: their all-reduces (and all-gathers), and waits.
+_FOLDED_COLLECTIVES = _COLLECTIVE_OPS | {_torch_api.functional_collectives.all_gather_into_tensor.default}
 
 
 def _dead_after_replacing(graph, outputs) -> set:
@@ -703,7 +830,7 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     the outputs' gradients are summed over the group in backward (one all-reduce). Returns the
     site and the op's node."""
     replaced = [r if isinstance(r, tuple) else (r, i) for i, r in enumerate(replaced)]
-    logits, temperature, rounded = _absorb_scaling(match.logits, match.temperature)
+    logits, temperature, rounded, row_order = _read_through(match.logits, match.temperature, match.target)
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     with_entropy = any(k.endswith("entropy") for k in match.outputs)
     entropy_grad = with_entropy and not any(
@@ -719,7 +846,11 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
             target = node(aten.zeros.default, list(rows), dtype=torch.long, device=logits.meta["val"].device)
             ignore_index = 0
         else:
-            target = node(aten.reshape.default, match.target, list(rows))
+            target = match.target
+            if row_order != sorted(row_order):  # the logits' rows in the op's order
+                target = node(aten.permute.default, target, [row_order.index(d) for d in range(len(row_order))],
+                              like=like)
+            target = node(aten.reshape.default, target, list(rows))
             ignore_index = None
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
                   match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk,
@@ -727,6 +858,10 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
         if sum_grads:
             results = _summing_grads(node, results, with_entropy, match.group_name)
+        if row_order != sorted(row_order):  # the op's rows, put in the logits' order
+            results = {k: node(aten.permute.default, node(aten.reshape.default, v, list(rows), like=like),
+                               list(row_order), like=like)
+                       for k, v in results.items() if any(kind.lstrip("-") == k for kind in match.outputs)}
     outputs = []
     for user, index in replaced:
         with graph.inserting_before(user):
@@ -765,6 +900,43 @@ def _summing_grads(node, results: dict, with_entropy: bool, group_name: str) -> 
     return {"logprob": node(aten.select.int, both, 0, 0), "entropy": node(aten.select.int, both, 0, 1)}
 
 
+def _read_through(logits: torch.fx.Node, temperature: float, target: torch.fx.Node | None = None):
+    """(logits, temperature, rounded, row order) that the op reads for `logits`: through copies,
+    upcasts and a temperature division (`_absorb_scaling`) and permutations of their row dims
+    (`[s, b, v]` logits transposed to `[b, s, v]`): the given logits' row dim
+    `i` is the op's row dim `row_order[i]` (permutations only where the `target` ids, if any, have
+    those row dims, to be permuted alike). Read from the graph alone, the same on every rank: a
+    Function replaced on one rank and its forward inlined on another give the op the same rows."""
+    rows = logits.meta["val"].ndim - 1
+    order = list(range(rows))
+    logits, temperature, rounded = _absorb_scaling(logits, temperature)
+    permutable = target is None or target.meta["val"].ndim == rows
+    while permutable and (peeled := _row_permutation(logits)) is not None:
+        logits, permutation = peeled
+        order = [permutation[o] for o in order]
+        logits, temperature, rounded = _absorb_scaling(logits, temperature, rounded)
+    return logits, temperature, rounded, order
+
+
+def _row_permutation(node: torch.fx.Node):
+    """(x, p) for `node` = `x` with its row dims permuted (dim `i` is `x`'s dim `p[i]`, the last
+    kept), else None. (A view: the op reads `x` whoever else reads `node`.)"""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    ndim = node.meta["val"].ndim
+    if node.target is aten.transpose.int:
+        d0, d1 = (d % ndim for d in node.args[1:3])
+        if ndim - 1 in (d0, d1):
+            return None
+        p = list(range(ndim - 1))
+        p[d0], p[d1] = d1, d0
+    elif node.target is aten.permute.default and list(node.args[1])[-1] % ndim == ndim - 1:
+        p = [d % ndim for d in node.args[1][:-1]]
+    else:
+        return None
+    return node.args[0], p
+
+
 def _absorb_scaling(logits: torch.fx.Node, temperature: float, rounded: bool = False):
     """(logits, temperature, rounded) with an exact copy, upcast or temperature division moved into
     the op (`rounded`: the op divides in the logits' dtype, its `rounded_division`).
@@ -779,7 +951,7 @@ def _absorb_scaling(logits: torch.fx.Node, temperature: float, rounded: bool = F
     other reader but metadata checks (erased with it; else it exists anyway)."""
     while True:
         checks = [u for u in logits.users if u.op == "call_function" and u.target in METADATA_CHECKS]
-        if len(logits.users) - len(checks) != 1:
+        if len(logits.users) - len(checks) > 1:  # (none: made for the op, as an output layer's logits)
             break
         val, source = logits.meta["val"], logits.args[0] if logits.args else None
         division = logits.target in (aten.div.Tensor, aten.div.Scalar) and not logits.kwargs and \

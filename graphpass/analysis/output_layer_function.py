@@ -8,6 +8,10 @@ chain rule around one product `z`, and its logits-level part is cut out: a joint
 `(z, *other inputs, *grad_outputs) -> (*outputs, dz, None, ...)`, whose forward is matched and
 whose backward is checked as any logits Function's is (`backward_check`).
 
+A vocab-parallel lm_head Function (collectives inside) is read from its forward alone
+(`cut_forward_at_logits`), its backward trusted as a vocab-parallel logits Function's is, except
+for what it does with the hidden states' gradient (`hidden_gradient_collective`).
+
 Changes only the joint it is handed (a copy graphpass captured to read); the cut is a new graph.
 """
 
@@ -18,10 +22,10 @@ import dataclasses
 import torch
 import torch.fx
 
-from graphpass._torch_api import detect_fake_mode, fake_node
+from graphpass._torch_api import detect_fake_mode, fake_node, functional_collectives
 from graphpass.analysis import catalogue
 from graphpass.analysis.lm_head import LmHead, is_matrix_transpose, match_matmul
-from graphpass.fx_utils import hashable, transitive_inputs
+from graphpass.fx_utils import hashable, is_floating, target_name, transitive_inputs, transitive_users
 
 aten = torch.ops.aten
 
@@ -56,6 +60,41 @@ def read_transposes(joint: torch.fx.GraphModule, transposes: dict[int, int]) -> 
                 made[j] = graph.call_function(aten.t.default, (placeholders[j],))
             made[j].meta.update(placeholders[i].meta)
         placeholders[i].replace_all_uses_with(made[j], propagate_meta=False)
+
+
+def transposed_inputs(tensors) -> dict[int, int]:
+    """{i: j} where the Function's input `i` is its input `j` transposed (a matrix's `.T`)."""
+    found = {}
+    for i, t in enumerate(tensors):
+        if t.op == "call_function" and (t.target is aten.t.default or (
+                t.target is aten.permute.default and list(t.args[1]) == [1, 0])) and t.args[0] in tensors:
+            found[i] = tensors.index(t.args[0])
+    return found
+
+
+#: The products an output layer's logits come from, as captured: where each reads its two operands.
+_PRODUCTS = {aten.matmul.default: slice(0, 2), aten.linear.default: slice(0, 2), aten.mm.default: slice(0, 2),
+             aten.bmm.default: slice(0, 2), aten.addmm.default: slice(1, 3)}
+
+
+def output_layer_inside(gm: torch.fx.GraphModule):
+    """The product of two of its float inputs a Function's forward normalises (logits `hidden @ W.T`
+    it computes itself), or None for any other Function."""
+    inputs = [p for p in gm.graph.find_nodes(op="placeholder") if is_floating(p)]
+    from_inputs = set(inputs) | transitive_users(inputs)  # nodes computed from a float input
+    for product in gm.graph.nodes:
+        operands = product.args[_PRODUCTS[product.target]] if product.target in _PRODUCTS else ()
+        if len(operands) < 2 or not all(a in from_inputs for a in operands):
+            continue
+        if any(catalogue.normalises(n) for n in transitive_users([product])):
+            return product
+    return None
+
+
+def issues_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph calls a functional collective (a vocab-parallel Function's body)."""
+    return any(n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+               for n in gm.graph.nodes)
 
 
 def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: int) -> OutputLayerCut | str:
@@ -211,3 +250,141 @@ def _untransposed(node):
     """`x` if `node` is `x.T` of a matrix (through casts and copies), else None."""
     node = _plain(node)
     return node.args[0] if is_matrix_transpose(node) else None
+
+
+# ---- a vocab-parallel lm_head Function: its forward, cut at its logits ------------------------------
+@dataclasses.dataclass
+class ForwardCut:
+    """A vocab-parallel lm_head Function's forward, cut where its log-prob/entropy math starts."""
+
+    head: LmHead
+    """The product `z = hidden @ W_shard.T` in the forward; `head.weight` is a placeholder."""
+    hidden_position: int
+    weight_position: int
+    """Positions of the hidden states and this rank's weight shard among the Function's inputs."""
+    gathered_over: str | None
+    """The group whose ranks' hidden rows are all-gathered (along dim 0) before the product
+    (sequence parallelism), or None: the product reads the hidden states as they are."""
+    upcast: torch.dtype | None
+    """The dtype the logits are cast to before the math (`z.float()`), or None."""
+    row_order: tuple[int, ...]
+    """The math's logits are `z` cast and permuted: their row dim `i` is `z`'s row dim `row_order[i]`
+    (`z.transpose(0, 1)` of `[s, b, v]` logits: (1, 0))."""
+    logits_forward: torch.fx.GraphModule
+    """`(logits, *other inputs) -> outputs`: the forward from the math's logits on."""
+    other_positions: list[int]
+    """The Function's input position of each of `logits_forward`'s inputs after the logits."""
+
+
+def cut_forward_at_logits(forward: torch.fx.GraphModule, n_outputs: int) -> ForwardCut | str:
+    """The forward of a Function (folded, its `weight.T` inputs read as transposes) whose first
+    `n_outputs` results are computed from one product of its hidden states (or their rows
+    all-gathered over a group) and its weight, cut at the logits that product's casts and row
+    permutations make; or why not (a phrase about the user's code)."""
+    graph = forward.graph
+    inputs = list(graph.find_nodes(op="placeholder"))
+    heads = []
+    for node in graph.nodes:
+        head, _ = match_matmul(node) if node.op == "call_function" else (None, None)
+        if head is not None and head.weight in inputs and _hidden_input(head.hidden, inputs) is not None:
+            heads.append(head)
+    if len(heads) != 1:
+        return f"it multiplies its inputs {len(heads)} times where one output layer's product was expected" \
+            if heads else "its output layer's product is not one product of its hidden states and weight"
+    head = heads[0]
+    if head.bias is not None:
+        return "its output layer has a bias"
+    hidden, group = _hidden_input(head.hidden, inputs)
+    if hidden.meta["val"].dtype != head.hidden.meta["val"].dtype:
+        return "it casts the hidden states before their product"
+    logits, upcast, row_order = _layout_chain(head.logits)
+    outputs = list(graph.output_node().args[0])[:n_outputs]
+    new, env, root = torch.fx.Graph(), {}, torch.nn.Module()
+    env[logits] = new.placeholder("logits")
+    env[logits].meta.update(logits.meta)
+    seeds = [o for o in outputs if isinstance(o, torch.fx.Node)]
+    needed = set(seeds) | transitive_inputs(seeds, stop={logits})
+    others = [p for p in inputs if p in needed and p not in (hidden, head.weight)]
+    for p in others:
+        env[p] = new.placeholder(p.name)
+        env[p].meta.update(p.meta)
+    for node in graph.nodes:
+        if node not in needed or node in env:
+            continue
+        if node.op == "placeholder":
+            return "its log-probs read the hidden states or the weight beside their product"
+        if node.op == "get_attr":
+            setattr(root, node.target, getattr(forward, node.target))
+        env[node] = new.node_copy(node, lambda n: env[n])
+    new.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
+    return ForwardCut(head, inputs.index(hidden), inputs.index(head.weight), group, upcast, row_order,
+                      torch.fx.GraphModule(root, new), [inputs.index(p) for p in others])
+
+
+def _hidden_input(node, inputs):
+    """(the placeholder, None) if `node` is an input behind copies, (the placeholder, group name) if
+    it is an input's rows all-gathered over a group; else None."""
+    node = _plain(node)
+    if node in inputs:
+        return node, None
+    if isinstance(node, torch.fx.Node) and node.target is _WAIT:
+        gather = node.args[0]
+        if gather.target is _ALL_GATHER and _plain(gather.args[0]) in inputs:
+            return _plain(gather.args[0]), gather.args[2]
+    return None
+
+
+def _layout_chain(z):
+    """(the logits the math reads, the dtype `z` is cast to or None, their row order): `z`
+    followed through casts, copies and transposes of row dims, each the one reader of the last."""
+    rows = list(range(z.meta["val"].ndim - 1))
+    node, upcast = z, None
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target in catalogue.CASTS and user.meta["val"].shape == node.meta["val"].shape:
+            if user.meta["val"].dtype != node.meta["val"].dtype:
+                upcast = user.meta["val"].dtype
+        elif user.target is aten.transpose.int and all(d % (len(rows) + 1) < len(rows) for d in user.args[1:3]):
+            d0, d1 = (d % (len(rows) + 1) for d in user.args[1:3])
+            rows[d0], rows[d1] = rows[d1], rows[d0]
+        else:
+            break
+        node = user
+    return node, upcast, tuple(rows)
+
+
+_WAIT = functional_collectives.wait_tensor.default
+_ALL_GATHER = functional_collectives.all_gather_into_tensor.default
+
+
+def hidden_gradient_collective(joint: torch.fx.GraphModule, n_outputs: int, cut: ForwardCut,
+                               group_name: str) -> tuple[str | None, str | None]:
+    """(what a vocab-parallel lm_head Function's backward, its `joint`, does with the hidden
+    states' gradient over `group_name`, None): "reduce_scatter" (the adjoint of gathering their
+    rows), "all_reduce" or "local"; or (None, why that is not what its forward implies)."""
+    results = list(joint.graph.output_node().args[0])
+    grads = results[n_outputs:]
+    for i, grad in enumerate(grads):
+        if i not in (cut.hidden_position, cut.weight_position) and grad is not None:
+            return None, f"its backward returns a gradient for its input {i + 1}, not the hidden states or the weight"
+    if grads[cut.hidden_position] is None or grads[cut.weight_position] is None:
+        return None, "its backward returns no gradient for the hidden states or the weight"
+    grad = _plain(grads[cut.hidden_position])
+    collective = grad.args[0] if isinstance(grad, torch.fx.Node) and grad.target is _WAIT else None
+    kind = "local"
+    if collective is not None and collective.target is _REDUCE_SCATTER and collective.args[1] == "sum" \
+            and collective.args[3] == group_name:
+        kind = "reduce_scatter"
+    elif collective is not None and collective.target is _ALL_REDUCE and collective.args[1:3] == ("sum", group_name):
+        kind = "all_reduce"
+    elif collective is not None:
+        return None, f"its backward applies {target_name(collective)} to the hidden states' gradient"
+    if (kind == "reduce_scatter") != (cut.gathered_over is not None):
+        return None, ("its backward does not reduce-scatter the gradient of the hidden states it gathered"
+                      if kind != "reduce_scatter" else "its backward reduce-scatters the gradient of hidden states it "
+                                                       "did not gather")
+    return kind, None
+
+
+_REDUCE_SCATTER = functional_collectives.reduce_scatter_tensor.default
+_ALL_REDUCE = functional_collectives.all_reduce.default

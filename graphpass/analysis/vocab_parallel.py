@@ -348,6 +348,14 @@ def _is_wide(node) -> bool:
     return isinstance(val, torch.Tensor) and val.ndim >= 2 and val.is_floating_point()
 
 
+def _per_row(node, logits) -> bool:
+    """Whether `node` holds at most one value per row of `logits` (`[b, s]` or `[t, 1]` of `[b, s, v]`
+    or `[t, v]` logits): what a log-prob or an entropy is, not a wide value."""
+    val, wide = fake_value(node), fake_value(logits)
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and (
+        val.ndim < wide.ndim or (val.ndim == wide.ndim and val.shape[-1] == 1))
+
+
 def _evaluator(gm, logits, group_name, rank_and_size) -> _ShardEvaluator | None:
     """The evaluator for `logits` as this rank's slice of the group's vocabulary; None when the
     slice's width is symbolic (its first column would be too)."""
@@ -447,7 +455,7 @@ def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch |
         ev = _evaluator(gm, logits, group_name, rank_and_size)
         if ev is None:
             continue
-        labelled = {n for n in gm.graph.nodes if n in below and not _is_wide(n) and _labelled(ev, n)}
+        labelled = {n for n in gm.graph.nodes if n in below and _per_row(n, logits) and _labelled(ev, n)}
         # The last of them: those read by something else (a log-prob's squeeze is the log-prob).
         outputs = [n for n in gm.graph.nodes if n in labelled and any(u not in labelled for u in n.users)]
         if outputs:
