@@ -31,12 +31,12 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.backward_check import check_backward, joint_module
-from graphpass.analysis.output_layer_function import (cut_at_logits, issues_collectives, output_layer_inside,
-                                                       read_transposes, transposed_inputs)
+from graphpass.analysis.output_layer_function import (cut_at_logits, emit_product, issues_collectives,
+                                                       output_layer_inside, read_transposes, transposed_inputs)
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
-from graphpass.fx_utils import target_name, transitive_inputs
+from graphpass.fx_utils import target_name
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
 from .fold_row_loops import fold_function_body, read_folded
@@ -184,16 +184,7 @@ def _emit_logits(graph, stub, cut, hidden, weight):
     """The Function's logits in the caller's graph, before `stub`: its product of the caller's
     hidden states and weight, as the Function wrote it (`hidden @ W.T`), which the lm_head fusion
     then takes in."""
-    head = cut.head
-    fake_mode = _torch_api.detect_fake_mode([hidden.meta["val"], weight.meta["val"]])
-    env = {head.hidden: hidden, head.weight: weight}
-    product = ({head.logits} | transitive_inputs([head.logits], stop=set(env))) - set(env)
-    order = [n for n in head.logits.graph.nodes if n in product]
-    with graph.inserting_before(stub):
-        for node in order:
-            args = torch.fx.node.map_arg(node.args, lambda n: env[n])
-            env[node] = _torch_api.fake_node(graph, fake_mode, node.target, args, dict(node.kwargs), like=stub)
-    return env[head.logits]
+    return emit_product(graph, cut.head.logits, {cut.head.hidden: hidden, cut.head.weight: weight}, stub)
 
 
 #: What only a log-prob's math computes (a plain softmax is also attention's).

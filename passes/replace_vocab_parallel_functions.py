@@ -52,8 +52,9 @@ from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
 from graphpass.analysis.backward_check import joint_module
 from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
-from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at_logits, hidden_gradient_collective,
-                                                      output_layer_inside, read_transposes, transposed_inputs)
+from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at_logits, emit_product,
+                                                      hidden_gradient_collective, output_layer_inside, read_transposes,
+                                                      transposed_inputs)
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, match_token_loss,
                                                 values_without_gradient)
@@ -690,8 +691,8 @@ def _emit_output_layer(graph: torch.fx.Graph, stub, read: _OutputLayerFunction) 
     group = read.match.group_name
     fake_mode = _torch_api.detect_fake_mode([hidden.meta["val"]])
 
-    def node(target, *args, **kwargs):
-        return _torch_api.fake_node(graph, fake_mode, target, args, kwargs, like=stub)
+    def node(target, *args):
+        return _torch_api.fake_node(graph, fake_mode, target, args, {}, like=stub)
 
     with graph.inserting_before(stub):
         if cut.gathered_over is not None:
@@ -700,12 +701,7 @@ def _emit_output_layer(graph: torch.fx.Graph, stub, read: _OutputLayerFunction) 
             hidden = node(_torch_api.functional_collectives.wait_tensor.default, gathered)
         elif read.hidden_gradient == "all_reduce":
             hidden = node(torch.ops.graphpass.sum_grads_over_group.default, hidden, group)
-        logits = node(aten.matmul.default, hidden,
-                      weight if cut.head.weight_transposed else node(aten.t.default, weight))
-        if cut.upcast is not None:
-            logits = node(aten._to_copy.default, logits, dtype=cut.upcast)
-        if list(cut.row_order) != sorted(cut.row_order):
-            logits = node(aten.permute.default, logits, [*cut.row_order, len(cut.row_order)])
+    logits = emit_product(graph, cut.logits, {cut.head.hidden: hidden, cut.head.weight: weight}, stub)
     return dataclasses.replace(read.match, logits=logits)
 
 

@@ -265,11 +265,9 @@ class ForwardCut:
     gathered_over: str | None
     """The group whose ranks' hidden rows are all-gathered (along dim 0) before the product
     (sequence parallelism), or None: the product reads the hidden states as they are."""
-    upcast: torch.dtype | None
-    """The dtype the logits are cast to before the math (`z.float()`), or None."""
-    row_order: tuple[int, ...]
-    """The math's logits are `z` cast and permuted: their row dim `i` is `z`'s row dim `row_order[i]`
-    (`z.transpose(0, 1)` of `[s, b, v]` logits: (1, 0))."""
+    logits: torch.fx.Node
+    """The logits the math reads in the forward: `z` itself, or `z` cast and its row dims permuted
+    (`z.float().transpose(0, 1)` of `[s, b, v]` logits)."""
     logits_forward: torch.fx.GraphModule
     """`(logits, *other inputs) -> outputs`: the forward from the math's logits on."""
     other_positions: list[int]
@@ -297,7 +295,7 @@ def cut_forward_at_logits(forward: torch.fx.GraphModule, n_outputs: int) -> Forw
     hidden, group = _hidden_input(head.hidden, inputs)
     if hidden.meta["val"].dtype != head.hidden.meta["val"].dtype:
         return "it casts the hidden states before their product"
-    logits, upcast, row_order = _layout_chain(head.logits)
+    logits = _layout_chain(head.logits)
     outputs = list(graph.output_node().args[0])[:n_outputs]
     new, env, root = torch.fx.Graph(), {}, torch.nn.Module()
     env[logits] = new.placeholder("logits")
@@ -317,7 +315,7 @@ def cut_forward_at_logits(forward: torch.fx.GraphModule, n_outputs: int) -> Forw
             setattr(root, node.target, getattr(forward, node.target))
         env[node] = new.node_copy(node, lambda n: env[n])
     new.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
-    return ForwardCut(head, inputs.index(hidden), inputs.index(head.weight), group, upcast, row_order,
+    return ForwardCut(head, inputs.index(hidden), inputs.index(head.weight), group, logits,
                       torch.fx.GraphModule(root, new), [inputs.index(p) for p in others])
 
 
@@ -335,22 +333,29 @@ def _hidden_input(node, inputs):
 
 
 def _layout_chain(z):
-    """(the logits the math reads, the dtype `z` is cast to or None, their row order): `z`
-    followed through casts, copies and transposes of row dims, each the one reader of the last."""
-    rows = list(range(z.meta["val"].ndim - 1))
-    node, upcast = z, None
+    """The logits the math reads: `z` followed through casts, copies and transposes of its row
+    dims (the vocabulary stays last), each the one reader of the last."""
+    node, ndim = z, z.meta["val"].ndim
     while len(node.users) == 1:
         user = next(iter(node.users))
-        if user.target in catalogue.CASTS and user.meta["val"].shape == node.meta["val"].shape:
-            if user.meta["val"].dtype != node.meta["val"].dtype:
-                upcast = user.meta["val"].dtype
-        elif user.target is aten.transpose.int and all(d % (len(rows) + 1) < len(rows) for d in user.args[1:3]):
-            d0, d1 = (d % (len(rows) + 1) for d in user.args[1:3])
-            rows[d0], rows[d1] = rows[d1], rows[d0]
-        else:
+        same_shape = user.target in catalogue.CASTS and user.meta["val"].shape == node.meta["val"].shape
+        row_transpose = user.target is aten.transpose.int and all(d % ndim < ndim - 1 for d in user.args[1:3])
+        if not (same_shape or row_transpose):
             break
         node = user
-    return node, upcast, tuple(rows)
+    return node
+
+
+def emit_product(graph: torch.fx.Graph, end: torch.fx.Node, env: dict, like: torch.fx.Node) -> torch.fx.Node:
+    """`end` of a Function's body computed in the caller's `graph` before `like`: the body's nodes
+    it is computed from, copied, each of `env`'s body nodes read as the caller's node it maps to."""
+    fake_mode = detect_fake_mode([n.meta["val"] for n in env.values()])
+    computed = ({end} | transitive_inputs([end], stop=set(env))) - set(env)
+    with graph.inserting_before(like):
+        for node in [n for n in end.graph.nodes if n in computed]:
+            args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+            env[node] = fake_node(graph, fake_mode, node.target, args, dict(node.kwargs), like=like)
+    return env[end]
 
 
 _WAIT = functional_collectives.wait_tensor.default
