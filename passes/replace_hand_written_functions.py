@@ -10,10 +10,11 @@ the chunk pass then rewrites it like any other such math, the lm_head fused wher
 in the graph. Its bodies are read as written, then with their chunk loops over rows folded
 (`fold_row_loops.read_folded`).
 
-A Function that multiplies by the output layer itself (`z = hidden @ W.T` inside, whole or
+A Function that multiplies by the output layer itself (`z = hidden @ W.T (+ b)` inside, whole or
 chunk by chunk) is read at its logits (`output_layer_function.cut_at_logits`): when its
-backward is the chain rule around `z` (`dhidden = dz @ W`, `dW = dz.T @ hidden`) and `dz` checks
-out as above, it becomes `hidden @ W.T` and the plain math of `z`, which the chunk pass fuses.
+backward is the chain rule around `z` (`dhidden = dz @ W`, `dW = dz.T @ hidden`, `db = dz.sum(0)`)
+and `dz` checks out as above, it becomes `hidden @ W.T (+ b)` and the plain math of `z`, which the
+chunk pass fuses; an input it returns no gradient for is read detached.
 
 A Function whose backward is not that gradient, or cannot be checked, stays as it is with the
 reason recorded; where an output layer inside it is not read, the reason names the stand-in a
@@ -177,14 +178,23 @@ def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
     if why is not None:
         return _OUTPUT_LAYER_KEPT.format(where, f"its hand-written backward is unchecked at its logits: {why}")
     target = None if target_position is None else tensors[cut.other_positions[target_position - 1]]
-    return match, None, target, non_differentiable, (cut, tensors[cut.hidden_position], tensors[cut.weight_position])
+    return match, None, target, non_differentiable, (cut, tensors)
 
 
-def _emit_logits(graph, stub, cut, hidden, weight):
+def _emit_logits(graph, stub, cut, tensors):
     """The Function's logits in the caller's graph, before `stub`: its product of the caller's
-    hidden states and weight, as the Function wrote it (`hidden @ W.T`), which the lm_head fusion
-    then takes in."""
-    return emit_product(graph, cut.head.logits, {cut.head.hidden: hidden, cut.head.weight: weight}, stub)
+    hidden states and weight (and bias), as the Function wrote it (`hidden @ W.T + b`), which the
+    lm_head fusion then takes in."""
+    head, env = cut.head, {}
+    for node, position in ((head.hidden, cut.hidden_position), (head.weight, cut.weight_position),
+                           (head.bias, cut.bias_position)):
+        if node is not None:
+            env[node] = tensors[position]
+            if position in cut.detached:  # the Function returns no gradient for it
+                with graph.inserting_before(stub):
+                    env[node] = _torch_api.fake_node(graph, _torch_api.detect_fake_mode([env[node].meta["val"]]),
+                                                     aten.detach.default, (env[node],), like=stub)
+    return emit_product(graph, head.logits, env, stub)
 
 
 #: What only a log-prob's math computes (a plain softmax is also attention's).

@@ -51,7 +51,8 @@ from graphpass import _torch_api
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.grad_flow import grad_modes, requires_grad
 from graphpass.analysis.backward_check import joint_module
-from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_matmul, not_computed_here, other_readers
+from graphpass.analysis.lm_head import (METADATA_CHECKS, LmHead, is_vocab_bias, match_matmul, not_computed_here,
+                                        other_readers)
 from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at_logits, emit_product,
                                                       hidden_gradient_collective, output_layer_inside, read_transposes,
                                                       transposed_inputs)
@@ -579,11 +580,7 @@ def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
         return None, why
     if head.bias is not None:
         return None, "its logits add a second bias to a biased matmul"
-    b_val, mm_val, out_val = bias.meta.get("val"), matmul.meta["val"], logits.meta.get("val")
-    if not (isinstance(b_val, torch.Tensor) and b_val.ndim == 1 and isinstance(out_val, torch.Tensor)
-            and _torch_api.known_equal(b_val.shape[0], mm_val.shape[-1])
-            and b_val.dtype == mm_val.dtype == out_val.dtype and out_val.ndim == mm_val.ndim
-            and all(_torch_api.known_equal(a, b) for a, b in zip(out_val.shape, mm_val.shape))):
+    if not is_vocab_bias(logits, matmul, bias):
         return None, "the value added to its matmul is not one bias per vocabulary entry in the logits' dtype"
     checks, why = other_readers(matmul, {logits}, "the bias's addition")
     if why is not None:

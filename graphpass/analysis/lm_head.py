@@ -138,6 +138,16 @@ def match_matmul(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     return LmHead(logits, hidden, weight, bias, transposed, hidden_size, [logits]), None
 
 
+def is_vocab_bias(logits: torch.fx.Node, matmul: torch.fx.Node, bias) -> bool:
+    """Whether `logits = matmul + bias` adds one value per vocabulary entry, in the logits' dtype,
+    without changing their shape (the bias of `hidden @ W.T + b`)."""
+    b_val, mm_val, out_val = fake_value(bias), fake_value(matmul), fake_value(logits)
+    return (isinstance(b_val, torch.Tensor) and b_val.ndim == 1 and isinstance(out_val, torch.Tensor)
+            and isinstance(mm_val, torch.Tensor) and known_equal(b_val.shape[0], mm_val.shape[-1])
+            and b_val.dtype == mm_val.dtype == out_val.dtype and out_val.ndim == mm_val.ndim
+            and all(known_equal(a, b) for a, b in zip(out_val.shape, mm_val.shape)))
+
+
 def other_readers(logits: torch.fx.Node, inside: set, reader: str = "the region") -> tuple[list, str | None]:
     """(the metadata checks reading `logits`, None) when nothing but `inside` (`reader`, as the
     reason names it) and such checks reads it, else ([], why not)."""

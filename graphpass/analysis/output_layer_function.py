@@ -1,8 +1,8 @@
 """An `autograd.Function` that multiplies by the output layer itself, read as a Function of its logits.
 
-A hand-written lm_head kernel computes `z = hidden @ W.T` (whole, or chunk by chunk over rows),
-log-probs and/or entropies of `z`, and in backward the logits' gradient `dz` from `z` recomputed,
-then `dhidden = dz @ W` and `dW = dz.T @ hidden`. With its chunk loops folded
+A hand-written lm_head kernel computes `z = hidden @ W.T (+ b)` (whole, or chunk by chunk over
+rows), log-probs and/or entropies of `z`, and in backward the logits' gradient `dz` from `z`
+recomputed, then `dhidden = dz @ W`, `dW = dz.T @ hidden` (and `db = dz.sum(0)`). With its chunk loops folded
 (`fold_function_body`), its joint graph (forward then backward) is checked to be exactly that
 chain rule around one product `z`, and its logits-level part is cut out: a joint of `z` alone,
 `(z, *other inputs, *grad_outputs) -> (*outputs, dz, None, ...)`, whose forward is matched and
@@ -24,7 +24,7 @@ import torch.fx
 
 from graphpass._torch_api import detect_fake_mode, fake_node, functional_collectives
 from graphpass.analysis import catalogue
-from graphpass.analysis.lm_head import LmHead, is_matrix_transpose, match_matmul
+from graphpass.analysis.lm_head import LmHead, is_matrix_transpose, is_vocab_bias, match_matmul
 from graphpass.fx_utils import hashable, is_floating, target_name, transitive_inputs, transitive_users
 
 aten = torch.ops.aten
@@ -35,10 +35,14 @@ class OutputLayerCut:
     """A lm_head Function's joint, cut at its logits."""
 
     head: LmHead
-    """The product `z = hidden @ W.T` in the joint; `head.hidden` and `head.weight` are placeholders."""
+    """The product `z = hidden @ W.T (+ bias)` in the joint; `head.hidden`, `head.weight` and
+    `head.bias` are placeholders."""
     hidden_position: int
     weight_position: int
-    """Positions of the hidden states and the weight among the Function's inputs."""
+    bias_position: int | None
+    """Positions of the hidden states, the weight and the bias (None: no bias) among the Function's inputs."""
+    detached: set[int]
+    """Those of the three positions whose gradient the backward does not return (None): zero."""
     logits_joint: torch.fx.GraphModule
     """`(z, *other inputs, *grad_outputs) -> (*outputs, dz, None per other input)`."""
     other_positions: list[int]
@@ -104,42 +108,75 @@ def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: 
     placeholders = list(graph.find_nodes(op="placeholder"))
     inputs, n_inputs = placeholders[:len(example_inputs)], len(example_inputs)
     _merge_repeats(graph)  # the backward's recomputed logits are the forward's
-    heads = []
+    heads, blocks = [], False
     for node in graph.nodes:
         head, _ = match_matmul(node) if node.op == "call_function" else (None, None)
         if head is not None and head.hidden in inputs and head.weight in inputs:
             heads.append(head)
+        blocks = blocks or (head is not None and _is_block_of(head.weight, inputs))
+    if blocks:
+        return "it multiplies vocabulary blocks of the weight (slices of its rows), not the whole output layer"
     if len(heads) != 1:
         return f"it multiplies its inputs {len(heads)} times where one output layer's product was expected" \
             if heads else "its output layer's product is not one product of its inputs (vocabulary blocks of " \
                           "the weight, casts or views on the way)"
-    head = heads[0]
-    if head.bias is not None:
-        return "its output layer has a bias"
+    head = _with_bias(heads[0], inputs)
+    if isinstance(head, str):
+        return head
     results = list(graph.output_node().args[0])
     outputs, grads = results[:n_outputs], results[n_outputs:]
     h_pos, w_pos = inputs.index(head.hidden), inputs.index(head.weight)
+    b_pos = None if head.bias is None else inputs.index(head.bias)
+    # An input the backward returns no gradient for gets none from autograd either (the Function's
+    # gradient for it is zero): the plain math reads it detached.
+    detached = {i for i in (h_pos, w_pos, b_pos) if i is not None and grads[i] is None}
     for i, grad in enumerate(grads):
-        if i not in (h_pos, w_pos) and grad is not None:
-            return f"its backward returns a gradient for its input {i + 1}, not the hidden states or the weight"
-    dz = _logits_gradient(head, grads[h_pos], grads[w_pos])
+        if i not in (h_pos, w_pos, b_pos) and grad is not None:
+            return f"its backward returns a gradient for its input {i + 1}, not the hidden states, weight or bias"
+    dz = _logits_gradient(head, grads[h_pos], grads[w_pos], None if b_pos is None else grads[b_pos])
     if isinstance(dz, str):
         return dz
     # The other inputs the math reads (not a `weight.T` read as the weight's transpose).
-    other_positions = [i for i, p in enumerate(inputs) if i not in (h_pos, w_pos) and p.users]
+    other_positions = [i for i, p in enumerate(inputs) if i not in (h_pos, w_pos, b_pos) and p.users]
     others = [inputs[i] for i in other_positions]
     logits_joint = _cut(graph, head, others, placeholders[n_inputs:], outputs, dz)
     if isinstance(logits_joint, str):
         return logits_joint
-    return OutputLayerCut(head, h_pos, w_pos, logits_joint, other_positions,
+    return OutputLayerCut(head, h_pos, w_pos, b_pos, detached, logits_joint, other_positions,
                           [head.logits.meta["val"], *(example_inputs[i] for i in other_positions)])
 
 
-def _logits_gradient(head: LmHead, dhidden, dweight):
-    """(`d`, scaling): the one node `d` with `dhidden = (d @ W) * s` and `dW = (d.T @ hidden) * s`
-    for one constant scaling `s` (casts and copies aside), so that the logits' gradient is
-    `d * s`; or why not."""
+def _is_block_of(weight, inputs) -> bool:
+    """Whether `weight` is a slice of an input's rows (a vocabulary block of an output layer)."""
+    weight = _plain(weight)
+    return isinstance(weight, torch.fx.Node) and weight.target in (aten.slice.Tensor, aten.narrow.default) \
+        and _plain(weight.args[0]) in inputs and (weight.args[1] if len(weight.args) > 1 else 0) == 0
+
+
+def _with_bias(head: LmHead, inputs) -> LmHead | str:
+    """`head` with the bias added to its product (`addmm`'s, or `z + b` the product's one reader),
+    `head.logits` the sum; or why the bias is not an input of the Function."""
+    if head.bias is None and len(head.logits.users) == 1:
+        add = next(iter(head.logits.users))
+        if add.target is aten.add.Tensor and not add.kwargs and len(add.args) == 2:
+            bias = add.args[1] if add.args[0] is head.logits else add.args[0]
+            if isinstance(bias, torch.fx.Node) and is_vocab_bias(add, head.logits, bias):
+                head = dataclasses.replace(head, logits=add, bias=bias, nodes=[add])
+    if head.bias is not None and head.bias not in inputs:
+        return "its output layer's bias is not an input of the Function"
+    return head
+
+
+def _logits_gradient(head: LmHead, dhidden, dweight, dbias):
+    """(`d`, scaling): the one node `d` with `dhidden = (d @ W) * s`, `dW = (d.T @ hidden) * s`
+    and `dbias = d.sum(rows) * s` for one constant scaling `s` (casts and copies aside), so that
+    the logits' gradient is `d * s`; or why not."""
     found = []
+    if dbias is not None:
+        total, scale = _scaled(dbias)
+        if not _sums_rows(total):
+            return "its backward does not sum the logits' gradient over the rows for the bias's"
+        found.append((_plain(total.args[0]), scale))
     if dhidden is not None:
         product, scale = _scaled(dhidden)
         if not _is_product(product) or _plain(_right_operand(product, head.weight_transposed)) is not head.weight:
@@ -159,7 +196,9 @@ def _logits_gradient(head: LmHead, dhidden, dweight):
     if not found:
         return "its backward returns no gradient for the hidden states or the weight"
     if any(f != found[0] for f in found):
-        return "its backward multiplies different values for the hidden states' and the weight's gradients"
+        which = "the hidden states', the weight's and the bias's" if dbias is not None else \
+            "the hidden states' and the weight's"
+        return f"its backward multiplies different values for {which} gradients"
     return found[0]
 
 
@@ -189,6 +228,15 @@ def _cut(graph, head: LmHead, others, grad_placeholders, outputs, gradient):
         grad = fake_node(new, detect_fake_mode([dz.meta["val"]]), aten.mul.Tensor, (grad, scale), like=dz)
     new.output((*[env[o] if isinstance(o, torch.fx.Node) else o for o in outputs], grad, *[None] * len(others)))
     return torch.fx.GraphModule(root, new)
+
+
+def _sums_rows(node) -> bool:
+    """`x.sum(dims)` over every dim of `x` but the last (the vocabulary)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.sum.dim_IntList):
+        return False
+    ndim = node.args[0].meta["val"].ndim
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return ndim >= 2 and not keepdim and sorted(d % ndim for d in node.args[1]) == list(range(ndim - 1))
 
 
 def _merge_repeats(graph: torch.fx.Graph) -> None:

@@ -488,29 +488,113 @@ def test_a_function_with_the_output_layer_inside_is_read_at_its_logits(flaw, chu
 
 
 class _HeadWithBias(torch.autograd.Function):
+    """`hidden @ W.T + b` (or `F.linear`), its log-prob; `flaw` names how the backward differs,
+    or which gradient it leaves out (None: autograd's gradient for that input is zero)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target):
-        logp = (hidden @ weight.T + bias).log_softmax(-1)
+    def forward(ctx, hidden, weight, bias, target, spelling: str, flaw: str):
+        z = F.linear(hidden, weight, bias) if spelling == "linear" else hidden @ weight.T + bias
+        logp = z.log_softmax(-1)
         ctx.save_for_backward(logp, hidden, weight, target)
+        ctx.flaw = flaw
         return logp.gather(-1, target[:, None])[:, 0]
 
     @staticmethod
     def backward(ctx, grad):
         logp, hidden, weight, target = ctx.saved_tensors
         dz = (F.one_hot(target, logp.shape[-1]).to(logp.dtype) - logp.exp()) * grad[:, None]
-        return dz @ weight, dz.T @ hidden, dz.sum(0), None
+        grads = {"hidden": dz @ weight, "weight": dz.T @ hidden,
+                 "bias": dz.sum(0) / (2.0 if ctx.flaw == "bias gradient halved" else 1.0)}
+        return *(None if ctx.flaw == f"no {k} gradient" else g for k, g in grads.items()), None, None, None
 
 
-def test_an_output_layer_the_cut_does_not_model_keeps_the_function():
-    g = torch.Generator().manual_seed(6)
-    args = [torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)]
-    target = torch.randint(0, V, (T,), generator=g)
-    value, record = _compile(lambda h, w, b: _HeadWithBias.apply(h, w, b, target).sum(), *args)
+def _with_bias_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64),
+             torch.randn(V, generator=g, dtype=torch.float64)], torch.randint(0, V, (T,), generator=g),
+            torch.randn(T, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("spelling", ["add", "linear"])
+@pytest.mark.parametrize("flaw", ["none", "no hidden gradient", "no weight gradient", "no bias gradient"])
+def test_an_output_layer_with_a_bias_is_read_at_its_logits(spelling, flaw):
+    """The bias's gradient must be the logits' gradient summed over the rows; an input the
+    backward returns no gradient for gets none from the rewrite either (it reads it detached).
+    float64: values and every gradient to 1e-12, a missing one missing in both."""
+    tensors, target, advantages = _with_bias_inputs(6)
+
+    def fn(hidden, weight, bias):
+        return (_HeadWithBias.apply(hidden, weight, bias, target, spelling, flaw) * advantages).sum()
+
+    eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(2))
+    fn(*eager).backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)], record
+    assert _err(value, fn(*tensors)) <= 1e-12
+    for got, ref in zip(compiled, eager):
+        assert (got.grad is None) == (ref.grad is None) and (ref.grad is None or _err(got.grad, ref.grad) <= 1e-12)
+
+
+def test_a_bias_gradient_that_is_not_the_row_sum_keeps_the_function():
+    tensors, target, advantages = _with_bias_inputs(7)
+
+    def fn(hidden, weight, bias):
+        return (_HeadWithBias.apply(hidden, weight, bias, target, "add", "bias gradient halved") * advantages).sum()
+
+    eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(2))
+    fn(*eager).backward()
+    value, record = _compile(fn, *compiled)
     value.backward()
     reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
-    assert record.sites == [] and len(reasons) == 1 and "substitute_in_graph" in reasons[0], record
+    assert record.sites == [] and len(reasons) == 1 and "the bias's gradients" in reasons[0] and \
+        "substitute_in_graph" in reasons[0], record
+    for got, ref in zip(compiled, eager):  # the Function ran as written, its halved bias gradient too
+        assert _err(got.grad, ref.grad) <= 1e-12
+
+
+class _HeadInVocabularyBlocks(torch.autograd.Function):
+    """The output layer multiplied a block of the weight's rows at a time (TRL's and prime-rl's
+    kernels), an online log-sum-exp over the blocks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, block: int):
+        m = torch.full((hidden.shape[0],), float("-inf"), dtype=hidden.dtype)
+        s, picked = torch.zeros_like(m), torch.zeros_like(m)
+        for start in range(0, weight.shape[0], block):
+            z = hidden @ weight[start:start + block].T
+            new_m = torch.maximum(m, z.amax(-1))
+            s = s * (m - new_m).exp() + (z - new_m[:, None]).exp().sum(-1)
+            m = new_m
+            inside = (target >= start) & (target < start + block)
+            picked = torch.where(inside, z.gather(-1, (target - start).clamp(0, block - 1)[:, None])[:, 0], picked)
+        lse = m + s.log()
+        ctx.save_for_backward(hidden, weight, target, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, target, lse = ctx.saved_tensors
+        dz = (F.one_hot(target, weight.shape[0]).to(hidden.dtype) - (hidden @ weight.T - lse[:, None]).exp()) * grad[:, None]
+        return dz @ weight, dz.T @ hidden, None, None
+
+
+def test_an_output_layer_in_vocabulary_blocks_keeps_the_function_with_the_reason():
+    tensors, target, advantages = _with_bias_inputs(8)
+    compiled = [t.clone().requires_grad_() for t in tensors[:2]]
+    eager = [t.clone().requires_grad_() for t in tensors[:2]]
+
+    def fn(hidden, weight):
+        return (_HeadInVocabularyBlocks.apply(hidden, weight, target, 16) * advantages).sum()
+
+    fn(*eager).backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    assert not any(s.replaced_function for s in record.sites) and len(reasons) == 1 and \
+        "vocabulary blocks" in reasons[0] and "substitute_in_graph" in reasons[0], record
+    for got, ref in zip(compiled, eager):
+        assert _err(got.grad, ref.grad) <= 1e-12
 
 
 class _HeadTransposed(torch.autograd.Function):
