@@ -37,7 +37,7 @@ from graphpass.analysis.output_layer_function import (cut_at_logits, emit_produc
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
-from graphpass.fx_utils import target_name
+from graphpass.fx_utils import target_name, transitive_inputs
 from graphpass.records import REPLACED_FUNCTION, Rejection
 
 from .fold_row_loops import fold_function_body, read_folded
@@ -207,10 +207,18 @@ def _unread_log_softmax(gm: torch.fx.GraphModule, why: str | None) -> str | None
     if why is None:
         return None
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _LOG_NORMALISERS:
+        if node.op == "call_function" and (node.target in _LOG_NORMALISERS or _logs_a_sum_of_exps(node)):
             return (f"its forward takes a {target_name(node)} (at {source_of(node)}), but {why}; graphpass "
                     "replaces a Function whose outputs are exactly log-probs or entropies of its logits")
     return None
+
+
+def _logs_a_sum_of_exps(node) -> bool:
+    """`log(...)` of a value computed from `exp(...).sum(...)`: a log-sum-exp written out by hand
+    (block by block, an online one)."""
+    return node.target is aten.log.default and any(
+        n.target is aten.sum.dim_IntList and getattr(n.args[0], "target", None) is aten.exp.default
+        for n in transitive_inputs([node]))
 
 
 def _replace(graph: torch.fx.Graph, stub, hop, match, logits, target, non_differentiable) -> None:

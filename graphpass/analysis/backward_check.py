@@ -43,6 +43,9 @@ _BRANCHING = {aten.where: 0, aten.masked_fill: 1, aten.clamp: 0, aten.clamp_min:
               aten.abs: 0, aten.sign: 0, aten.relu: 0, aten.maximum: 0, aten.minimum: 0,
               aten.floor: 0, aten.ceil: 0, aten.round: 0, aten.trunc: 0}
 
+#: Of these, the ones whose two operands may both be row statistics (`_branches_on_floats`).
+_ROW_EXTREMES = {aten.maximum, aten.minimum}
+
 
 def check_backward(joint, inputs, logits_position: int, target_position: int | None, kinds, temperature: float,
                    non_differentiable=()) -> str | None:
@@ -66,7 +69,7 @@ def check_backward(joint, inputs, logits_position: int, target_position: int | N
             return f"its backward returns a gradient for its input {i + 1}, not the logits"
     if grads[logits_position] is None:
         return "its backward returns no gradient for the logits"
-    why = _branches_on_floats(joint.graph)
+    why = _branches_on_floats(joint.graph, tuple(logits_val.shape[:-1]))
     if why is not None:
         return why
     probe, why = _per_row_program(joint, placeholders, rows)
@@ -155,11 +158,13 @@ def _probe_targets(graph: torch.fx.Graph, vocab: int) -> list[int]:
     return sorted(targets)
 
 
-def _branches_on_floats(graph: torch.fx.Graph) -> str | None:
+def _branches_on_floats(graph: torch.fx.Graph, row_shape: tuple) -> str | None:
     """Why the code branches on a float value (the probe could miss one side), or None.
 
     A value derived only from integer tensors and constants (token ids) may be compared, and
-    what branches on such a comparison selects analytic pieces alike on every row."""
+    what branches on such a comparison selects analytic pieces alike on every row. The larger of
+    two row statistics (an online log-sum-exp's running max, `maximum(m, block.amax(-1))`) is one
+    too: which side wins varies from probe row to probe row, as `amax`'s argmax does."""
     from_floats = set()  # nodes whose value depends on a float tensor
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -174,6 +179,9 @@ def _branches_on_floats(graph: torch.fx.Graph) -> str | None:
         packet = getattr(node.target, "overloadpacket", None)
         if packet in _COMPARISONS and inputs:
             return f"its code compares float values ({target_name(node)}), which a probe cannot check on every side"
+        if packet in _ROW_EXTREMES and len(inputs) == 2 and tuple(node.meta["val"].shape) == row_shape \
+                and all(tuple(a.meta["val"].shape) == row_shape for a in inputs):
+            continue
         if packet in _BRANCHING:
             decided = node.args[_BRANCHING[packet]] if len(node.args) > _BRANCHING[packet] else None
             if isinstance(decided, torch.fx.Node) and decided in from_floats and (
@@ -318,7 +326,20 @@ def _select(graph, node, env, rows):
     return env[x]  # `v[:, 0]` of a `[rows, 1]` value: the chunk already is `[r, 1]`
 
 
-_SPECIAL = {aten.select.int: _select, aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+def _fill(graph, node, env, rows):
+    """A fill over the rows (`torch.full((T,), -inf)`, `zeros_like(m)`): the same value, `[1, width]`,
+    which broadcasts against the probe's rows as the fill did against the code's."""
+    value = node.args[1] if node.target in (aten.full.default, aten.full_like.default) else \
+        node.args[2] if node.target is aten.new_full.default else 0.0
+    width = rowlocal.layout_of(node.meta["val"], rows).width
+    if not isinstance(value, (int, float)) or not isinstance(width, int):
+        return "fills a tensor with a value or a width that is not a number"
+    return graph.call_function(aten.full.default, ([1, width], value), {"dtype": node.meta["val"].dtype})
+
+
+_SPECIAL = {aten.full.default: _fill, aten.zeros.default: _fill, aten.full_like.default: _fill,
+            aten.zeros_like.default: _fill, aten.new_full.default: _fill, aten.new_zeros.default: _fill,
+            aten.select.int: _select, aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
             aten.index.Tensor: _index, aten.index_put.default: _index_put, aten.scatter_add.default: _scatter,
             aten.scatter.src: _scatter, aten.scatter.value: _scatter, aten.one_hot.default: _one_hot}
 

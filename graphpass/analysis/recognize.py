@@ -389,6 +389,8 @@ def _h_cast(ev, n):
 def _h_view(ev, n):
     f = ev(n.args[0])
     in_shape, out_shape = shape_of(n.args[0]), shape_of(n)
+    if not isinstance(f, (PW, Exp, dict)):  # an extension's form (`vocab_blocks`): kept by a same-shape view
+        return f if in_shape is not None and _torch_api.same_shape(in_shape, out_shape) else None
     atoms = f.lin if isinstance(f, (PW, Exp)) else f
     wide = isinstance(f, PW) or any(a[0] == "x" for a in atoms)
     if not wide:

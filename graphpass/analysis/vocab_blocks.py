@@ -16,7 +16,9 @@ this evaluator extends them (the row max is a row constant, as there):
 * `Picked`: the target's logit, block by block (`where((y >= a) & (y < b), x[y - a], ...)`),
   which is `gather(L, y)` once the blocks tile `[0, V)`.
 
-Labels are for reports: `label_output` uses this evaluator, a superset of `recognize`'s.
+`label_output` uses this evaluator, a superset of `recognize`'s, for reports; so does
+`vocab_parallel.match_single_device`, to read a Function whose forward loops over vocabulary
+blocks (its replacement is then checked in float64 by `backward_check`, forward and backward).
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ class BlockEvaluator(recognize.Evaluator):
 
     def ratio(self, top: Sum, bottom: Sum) -> Lin | None:
         """`sum(exp(x - m) * x) / sum(exp(x - m))` over the same blocks: sumpx of their union."""
+        if len(top.terms) == len(bottom.terms) == 1:  # one block: the whole logits
+            (f_top, w_top), (f, w) = top.terms[0], bottom.terms[0]
+            lse = [a for a, k in f if a[0] == "lse" and recognize.is_one(k)]
+            if f_top == f and dict(w) == {ONE: 1.0} and len(lse) == 1 and dict(w_top) == {("sumpx", lse[0][1]): 1.0}:
+                return {("sumpx", lse[0][1]): 1.0}
         found = self._blocks(bottom)
         if found is None or len(top.terms) != len(bottom.terms):
             return None
@@ -206,9 +213,15 @@ def _scale_block(base_handler):
     return handler
 
 
+#: Fills, and where their value is (0: a zero fill).
+_FILLS = {aten.zeros: 0, aten.zeros_like: 0, aten.new_zeros: 0, aten.full: 1, aten.full_like: 1, aten.new_full: 2}
+
+
 def _fill(ev, n):
-    """`torch.zeros(rows)`, `torch.full(rows, c)` with a finite c: the constant."""
-    value = 0.0 if recognize.packet(n) is aten.zeros else recognize.arg_of(n, 1, "fill_value")
+    """`torch.zeros(rows)`, `torch.full(rows, c)` with a finite c (or `zeros_like`, `full_like`,
+    `new_zeros`, `new_full`): the constant."""
+    position = _FILLS[recognize.packet(n)]
+    value = 0.0 if position == 0 else recognize.arg_of(n, position, "fill_value")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) != float("inf"):
         return recognize.const_lin(float(value))
     return None
@@ -263,8 +276,8 @@ def _log(ev, n):
 
 def _div(ev, n):
     fa, fb = ev(n.args[0]), ev(n.args[1])
-    if isinstance(fa, Sum) and isinstance(fb, Sum):
-        return ev.ratio(fa, fb)
+    if (isinstance(fa, Sum) or isinstance(fb, Sum)) and Sum.of(fa) is not None and Sum.of(fb) is not None:
+        return ev.ratio(Sum.of(fa), Sum.of(fb))  # a one-term sum may have been read as its exp
     return recognize.HANDLERS[aten.div](ev, n)
 
 
@@ -282,6 +295,18 @@ def _offset_index(index, y, a, b) -> bool:
         and "alpha" not in index.kwargs
 
 
+def _whole(logits, picked):
+    """`("cols", L, 0, V, V)` for the target's logit picked from all of `L` (`V` wide): a loop
+    of one vocabulary block; None if the picked value's gather is not found."""
+    node = picked
+    while recognize.packet(node) in (*recognize.TRANSPARENT, aten.select, aten.squeeze):
+        node = node.args[0]
+    if recognize.packet(node) is not aten.gather:
+        return None
+    width = recognize.shape_of(node.args[0])[-1]
+    return None if not isinstance(width, int) else (logits, 0, width, width)
+
+
 def _where(ev, n):
     found = recognize.range_test(n.args[0])  # the token falls in the block
     picked, rest = ev(n.args[1]), ev(n.args[2])
@@ -290,14 +315,16 @@ def _where(ev, n):
         return recognize.h_where(ev, n)
     y, a, b = found
     (atom, k), = picked.items()
-    block = _cols(atom[1]) if atom[0] == "gather" else None
-    if block is None or not recognize.is_one(k) or block[1:3] != (a, b) or not _offset_index(atom[2], y, a, b):
+    block = (_cols(atom[1]) or _whole(atom[1], n.args[1])) if atom[0] == "gather" else None
+    # The last block's slice stops at the vocabulary's end where the test does not (`t < a + block`).
+    if block is None or not recognize.is_one(k) or block[1:3] != (a, min(b, block[3])) or \
+            not _offset_index(atom[2], y, a, b):
         return recognize.h_where(ev, n)
     L, _, _, width = block
     if isinstance(rest, Picked) and (rest.logits, rest.width, rest.target) == (L, width, y):
-        blocks, rest = rest.blocks + ((a, b),), dict(rest.rest)
+        blocks, rest = rest.blocks + ((a, min(b, width)),), dict(rest.rest)
     elif isinstance(rest, dict) and not _wide(rest):
-        blocks = ((a, b),)
+        blocks = ((a, min(b, width)),)
     else:
         return recognize.h_where(ev, n)
     if _tiling(blocks, width):
@@ -310,8 +337,7 @@ BlockEvaluator.handlers = {
     aten.slice: _slice,
     aten.mul: _scale_block(_mul),
     aten.div: _scale_block(_div),
-    aten.zeros: _fill,
-    aten.full: _fill,
+    **{fill: _fill for fill in _FILLS},
     aten.select: recognize.h_select_unit,
     aten.add: _add_sub(1.0),
     aten.sub: _add_sub(-1.0),

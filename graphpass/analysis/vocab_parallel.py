@@ -31,6 +31,7 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue, recognize, rowlocal
 from graphpass.analysis.recognize import PW, Exp, OutputLabel
+from graphpass.analysis.vocab_blocks import BlockEvaluator
 from graphpass.fx_utils import arange_args, fake_value, transitive_inputs, transitive_users
 
 aten = torch.ops.aten
@@ -406,14 +407,15 @@ def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> Voc
     return _match(ev, outputs, group[0], rank_and_size)
 
 
-class _OneDeviceEvaluator(recognize.Evaluator):
+class _OneDeviceEvaluator(BlockEvaluator):
     """`recognize`'s evaluator, exact, for a forward without collectives: its logits are the whole
-    vocabulary it normalises over."""
+    vocabulary it normalises over, whole or block by block (an online log-sum-exp, `vocab_blocks`;
+    its running max is a row constant the result does not depend on)."""
 
     eps = 0.0
 
     def __init__(self, gm: torch.fx.GraphModule, logits: torch.fx.Node):
-        super().__init__()
+        super().__init__(tuple(fake_value(logits).shape[:-1]))
         self.gm, self.logits = gm, logits
 
 
@@ -423,7 +425,7 @@ def _full_index(ev, n):
     return None if picked is None else ev.gathered(*picked)
 
 
-_OneDeviceEvaluator.handlers = {**recognize.HANDLERS, aten.select: recognize.h_select_unit, aten.index: _full_index}
+_OneDeviceEvaluator.handlers = {**BlockEvaluator.handlers, aten.index: _full_index}
 
 
 def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParallelMatch | str | None:

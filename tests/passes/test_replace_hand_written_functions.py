@@ -382,6 +382,84 @@ def test_a_chunk_loop_over_rows_is_read_as_one_computation(flaw, chunk):
     assert expected in reasons[0], reasons[0]
 
 
+# ---- Functions with an online log-sum-exp over vocabulary blocks --------------------------------
+class _OnlineLogSumExp(torch.autograd.Function):
+    """Log-prob and entropy as hand-fused kernels compute them (TRL's torch path): the logits a
+    block of `block` columns at a time, folded into a running max, sum of exps and sum of
+    `exp * x` written in place (rescaled at each block), the target's logit picked from the block
+    it falls in. `flaw` names how the Function differs from the math."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature: float, block: int, flaw: str):
+        m = torch.full(logits.shape[:1], float("-inf"), dtype=logits.dtype)
+        s, sx, picked = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+        for start in range(0, logits.shape[1], block):
+            x = logits[:, start:start + block] / temperature
+            new_m = torch.maximum(m, x.amax(-1))
+            rescale = (m - new_m).exp()
+            e = (x - new_m[:, None]).exp()
+            s.mul_(rescale if flaw != "sum not rescaled" else 1.0).add_(e.sum(-1))
+            sx.mul_(rescale).add_((e * x).sum(-1))
+            m.copy_(new_m)
+            inside = (target >= start) & (target < start + block)
+            at = (target - start).clamp(0, block - 1)[:, None]
+            picked.copy_(torch.where(inside, x.gather(-1, at)[:, 0], picked))
+        lse = m + s.log()
+        entropy = lse - sx / s
+        ctx.save_for_backward(logits, target, lse, entropy)
+        ctx.temperature, ctx.flaw = temperature, flaw
+        return picked - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        logits, target, lse, entropy = ctx.saved_tensors
+        logp = logits / ctx.temperature - lse[:, None]
+        p = logp.exp()
+        dz = (F.one_hot(target, logits.shape[1]).to(logits.dtype) - p) * grad_logprob[:, None]
+        if ctx.flaw != "entropy gradient dropped":
+            dz = dz - p * (logp + entropy[:, None]) * grad_entropy[:, None]
+        return dz / ctx.temperature, None, None, None, None
+
+
+@pytest.mark.parametrize("flaw", ["none", "sum not rescaled", "entropy gradient dropped"])
+@pytest.mark.parametrize("block", [8, 16, V])
+def test_an_online_log_sum_exp_over_vocabulary_blocks_is_read_as_the_log_softmax(flaw, block):
+    """Blocks that tile the vocabulary (the last one shorter at 16) fold into the log-sum-exp,
+    the entropy and the target's logit of the whole logits: one site when the backward is the
+    gradient, float64 values and gradients to 1e-12 of the plain math; else kept as written,
+    the reason naming what differs."""
+    g = torch.Generator().manual_seed(9)
+    x = 3 * torch.randn(T, V, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (T,), generator=g)
+    target[0], target[1], target[-1] = 0, 15, V - 1
+    weights = torch.randn(2, T, generator=g, dtype=torch.float64)
+
+    def fn(logits):
+        return _loss(*_OnlineLogSumExp.apply(logits * 2, target, 0.7, block, flaw), weights)
+
+    def plain(logits):
+        logp = (logits * 2 / 0.7).log_softmax(-1)
+        return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
+
+    exact, eager_x, x = (x.clone().requires_grad_() for _ in range(3))
+    want, eager = plain(exact), fn(eager_x)
+    want.backward()
+    eager.backward()
+    value, record = _compile(fn, x)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    if flaw == "none" or (flaw == "sum not rescaled" and block == V):  # one block: nothing to rescale
+        assert [(s.replaced_function is not None, s.kind) for s in record.sites] == [(True, "logprob+entropy")] \
+            and reasons == [], record
+        assert _err(value, want) <= 1e-12 and _err(x.grad, exact.grad) <= 1e-12
+        return
+    assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
+    assert _err(value, eager) <= 1e-12 and _err(x.grad, eager_x.grad) <= 1e-12
+    expected = {"sum not rescaled": "is not a log-prob or an entropy",
+                "entropy gradient dropped": "not the gradient of its forward's math"}[flaw]
+    assert expected in reasons[0], reasons[0]
+
+
 class _LogSumExp(torch.autograd.Function):
     """A row's log-sum-exp: normalises its logits, but is no log-prob or entropy."""
 
