@@ -10,8 +10,8 @@ the chunk pass then rewrites it like any other such math, the lm_head fused wher
 in the graph. Its bodies are read as written, then with their chunk loops over rows folded
 (`fold_row_loops.read_folded`).
 
-A Function that multiplies by the output layer itself (`z = hidden @ W.T (+ b)` inside, whole or
-chunk by chunk) is read at its logits (`output_layer_function.cut_at_logits`): when its
+A Function that multiplies by the output layer itself (`z = hidden @ W.T (+ b)` inside, whole,
+chunk by chunk or a vocabulary block at a time) is read at its logits (`output_layer_function.cut_at_logits`): when its
 backward is the chain rule around `z` (`dhidden = dz @ W`, `dW = dz.T @ hidden`, `db = dz.sum(0)`)
 and `dz` checks out as above, it becomes `hidden @ W.T (+ b)` and the plain math of `z`, which the
 chunk pass fuses; an input it returns no gradient for is read detached.

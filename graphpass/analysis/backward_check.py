@@ -337,7 +337,16 @@ def _fill(graph, node, env, rows):
     return graph.call_function(aten.full.default, ([1, width], value), {"dtype": node.meta["val"].dtype})
 
 
-_SPECIAL = {aten.full.default: _fill, aten.zeros.default: _fill, aten.full_like.default: _fill,
+def _cat(graph, node, env, rows):
+    """Blocks of the vocabulary put side by side (a gradient computed block by block)."""
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    if dim not in (-1, node.meta["val"].ndim - 1) or any(
+            getattr(rowlocal.node_layout(t, rows), "kind", None) != ROW for t in tensors):
+        return "puts values side by side other than along the vocabulary"
+    return graph.call_function(aten.cat.default, ([env[t] for t in tensors], -1))
+
+
+_SPECIAL = {aten.cat.default: _cat, aten.full.default: _fill, aten.zeros.default: _fill, aten.full_like.default: _fill,
             aten.zeros_like.default: _fill, aten.new_full.default: _fill, aten.new_zeros.default: _fill,
             aten.select.int: _select, aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
             aten.index.Tensor: _index, aten.index_put.default: _index_put, aten.scatter_add.default: _scatter,

@@ -1,9 +1,10 @@
 """An `autograd.Function` that multiplies by the output layer itself, read as a Function of its logits.
 
-A hand-written lm_head kernel computes `z = hidden @ W.T (+ b)` (whole, or chunk by chunk over
-rows), log-probs and/or entropies of `z`, and in backward the logits' gradient `dz` from `z`
-recomputed, then `dhidden = dz @ W`, `dW = dz.T @ hidden` (and `db = dz.sum(0)`). With its chunk loops folded
-(`fold_function_body`), its joint graph (forward then backward) is checked to be exactly that
+A hand-written lm_head kernel computes `z = hidden @ W.T (+ b)` (whole, chunk by chunk over
+rows, or a vocabulary block `W[a:b]` at a time), log-probs and/or entropies of `z`, and in
+backward the logits' gradient `dz` from `z` recomputed, then `dhidden = dz @ W`, `dW = dz.T @
+hidden` (and `db = dz.sum(0)`). With its chunk loops folded (`fold_function_body`) and its
+vocabulary blocks read as blocks of one product (`_fold_weight_blocks`), its joint graph (forward then backward) is checked to be exactly that
 chain rule around one product `z`, and its logits-level part is cut out: a joint of `z` alone,
 `(z, *other inputs, *grad_outputs) -> (*outputs, dz, None, ...)`, whose forward is matched and
 whose backward is checked as any logits Function's is (`backward_check`).
@@ -107,6 +108,9 @@ def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: 
     graph = joint.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     inputs, n_inputs = placeholders[:len(example_inputs)], len(example_inputs)
+    why = _fold_weight_blocks(graph, inputs, n_outputs)
+    if why is not None:
+        return why
     _merge_repeats(graph)  # the backward's recomputed logits are the forward's
     heads, blocks = [], False
     for node in graph.nodes:
@@ -144,6 +148,153 @@ def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: 
         return logits_joint
     return OutputLayerCut(head, h_pos, w_pos, b_pos, detached, logits_joint, other_positions,
                           [head.logits.meta["val"], *(example_inputs[i] for i in other_positions)])
+
+
+# ---- an output layer multiplied a vocabulary block at a time --------------------------------------
+def _fold_weight_blocks(graph: torch.fx.Graph, inputs, n_outputs: int) -> str | None:
+    """Read a joint that multiplies vocabulary blocks of the weight (TRL's and prime-rl's kernels)
+    as one product: each `hidden @ W[a:b].T` becomes `(hidden @ W.T)[:, a:b]`, and where the
+    blocks tile the vocabulary, the backward's `sum_j dz_j @ W[a_j:b_j]` and `cat_j(dz_j.T @
+    hidden)` become `dz @ W` and `dz.T @ hidden` for `dz = cat_j(dz_j)`. None when done (or there
+    are no blocks), else why the backward's blocks are not that."""
+    blocks, chunked = [], False
+    for node in list(graph.nodes):
+        head, _ = match_matmul(node) if node.op == "call_function" else (None, None)
+        if head is not None and _is_block_of(head.weight, inputs):
+            if head.hidden in inputs:
+                blocks.append((node, head))
+            else:  # the backward's `dz_j @ W[a:b]`, or a chunk of rows times a block
+                rows = _plain(head.hidden)
+                chunked = chunked or rows.target in (aten.slice.Tensor, aten.narrow.default) and \
+                    _plain(rows.args[0]) in inputs
+    if chunked:
+        return "it multiplies vocabulary blocks of the weight by chunks of the hidden states' rows (a loop in a loop)"
+    if not blocks:
+        return None
+    fake_mode = detect_fake_mode([n.meta["val"] for n in inputs if "val" in n.meta])
+    products = {}
+    for node, head in blocks:
+        weight, (a, b) = _block(head.weight)
+        if head.bias is not None or head.weight_transposed or node.target not in catalogue.MATRIX_PRODUCTS:
+            return "it multiplies vocabulary blocks of the weight other than as hidden @ W[a:b].T"
+        key = (head.hidden, weight, node.target)
+        with graph.inserting_before(node):
+            if key not in products:
+                transposed = fake_node(graph, fake_mode, aten.t.default, (weight,), like=node)
+                products[key] = fake_node(graph, fake_mode, node.target, (head.hidden, transposed), like=node)
+            block = fake_node(graph, fake_mode, aten.slice.Tensor, (products[key], -1, a, b), like=node)
+        node.replace_all_uses_with(block)
+        graph.erase_node(node)
+    if len(products) != 1:
+        return "it multiplies vocabulary blocks of more than one weight, or of different hidden states"
+    (hidden, weight, product), = products
+    results = list(graph.output_node().args[0])
+    grads = results[n_outputs:]
+    h_pos, w_pos = inputs.index(hidden), inputs.index(weight)
+    seeds = [g for g in (grads[h_pos], grads[w_pos]) if isinstance(g, torch.fx.Node)]
+    if not any(_is_product(n) and _is_block_of(n.args[1], [weight]) for n in transitive_inputs(seeds) | set(seeds)):
+        return None  # a backward that multiplies the whole weight: read as any other
+    terms = _block_terms(grads[h_pos], weight) if grads[h_pos] is not None else None
+    if terms is None:
+        return "its backward does not sum dz @ W[a:b] over vocabulary blocks that tile the weight for the hidden states' gradient"
+    pieces = _row_blocks(grads[w_pos])
+    if pieces is None or [(block, _plain(_untransposed(_product_of(p, hidden)))) for block, p in pieces] != \
+            [(block, _plain(dz)) for block, dz in terms]:
+        return "its backward does not put dz.T @ hidden of each vocabulary block in the weight's gradient"
+    with graph.inserting_before(graph.output_node()):
+        dz = fake_node(graph, fake_mode, aten.cat.default, ([dz for _, dz in terms], -1), like=terms[-1][1])
+        grads[h_pos] = fake_node(graph, fake_mode, product, (dz, weight), like=dz)
+        grads[w_pos] = fake_node(graph, fake_mode, product,
+                                 (fake_node(graph, fake_mode, aten.t.default, (dz,), like=dz), hidden), like=dz)
+    graph.output_node().args = ((*results[:n_outputs], *grads),)
+    graph.eliminate_dead_code()
+    return None
+
+
+def _block(node):
+    """(the weight, (a, b)) of `W[a:b]` (`_is_block_of`), `b` at most its rows."""
+    node = _plain(node)
+    weight = _plain(node.args[0])
+    rows = weight.meta["val"].shape[0]
+    if node.target is aten.narrow.default:
+        return weight, (node.args[2], min(node.args[2] + node.args[3], rows))
+    start, end = (list(node.args[2:4]) + [None, None])[:2]
+    return weight, (start or 0, rows if end is None else min(end, rows))
+
+
+def _block_terms(total, weight):
+    """[((a, b), dz)] sorted, for `total = sum_j dz_j @ W[a_j:b_j]` (from a zero fill, casts aside)
+    over blocks that tile `weight`'s rows (`dz` as the product reads it: cast to the weight's
+    dtype); else None."""
+    terms, stack = [], [total]
+    while stack:
+        node = _plain(stack.pop())
+        if node.target is aten.add.Tensor and not node.kwargs:
+            stack.extend(node.args)
+        elif node.target in catalogue.ZEROS:
+            continue
+        elif _is_product(node) and _is_block_of(node.args[1], [weight]):
+            terms.append((_block(node.args[1])[1], node.args[0]))
+        else:
+            return None
+    terms.sort(key=lambda t: t[0])
+    end = 0
+    for (a, b), _ in terms:
+        if a != end:
+            return None
+        end = b
+    return terms if end == weight.meta["val"].shape[0] else None
+
+
+def _row_blocks(node):
+    """[((a, b), x)] sorted, for `node` = the `x`s put in rows `[a, b)` of a zero fill, by a
+    `cat` along the rows or by `slice_scatter`s (`W_grad[a:b] = x`, or `+= x` of zeros); else None."""
+    node = _plain(node)
+    if node.target is aten.cat.default and (node.args[1] if len(node.args) > 1 else 0) == 0:
+        blocks, start = [], 0
+        for piece in node.args[0]:
+            blocks.append(((start, start + piece.meta["val"].shape[0]), piece))
+            start = blocks[-1][0][1]
+        return blocks
+    written = {}
+    while node.target is aten.slice_scatter.default:
+        if node.args[2] != 0 or (node.args[5] if len(node.args) > 5 else 1) != 1:
+            return None
+        block = (node.args[3], min(node.args[4], node.meta["val"].shape[0]))
+        if any(a < block[1] and block[0] < b for a, b in written):
+            if block not in written:
+                return None  # partly overwritten later
+        else:
+            written[block] = _plain(node.args[1])
+        node = _plain(node.args[0])
+    if node.target not in catalogue.ZEROS:
+        return None
+    return sorted((block, _without_zeros(x, block)) for block, x in written.items())
+
+
+def _without_zeros(x, block):
+    """`x` = `y + zeros[a:b]` (an accumulator's untouched rows) as `y`."""
+    if x.target is aten.add.Tensor and not x.kwargs:
+        for zero, y in (x.args, x.args[::-1]):
+            if isinstance(zero, torch.fx.Node) and zero.target is aten.slice.Tensor and zero.args[1] == 0 and \
+                    _block(zero)[1] == block and _zero_rows(zero.args[0], block):
+                return _plain(y)
+    return x
+
+
+def _zero_rows(node, block) -> bool:
+    """Whether rows `[a, b)` of `node` are still a zero fill's (written elsewhere only)."""
+    node = _plain(node)
+    while node.target is aten.slice_scatter.default and node.args[2] == 0 and \
+            not (node.args[3] < block[1] and block[0] < node.args[4]):
+        node = _plain(node.args[0])
+    return node.target in catalogue.ZEROS
+
+
+def _product_of(node, right):
+    """`x` of `node = x @ right` (casts aside), else None."""
+    node = _plain(node)
+    return node.args[0] if _is_product(node) and _plain(node.args[1]) is right else None
 
 
 def _is_block_of(weight, inputs) -> bool:
@@ -240,9 +391,12 @@ def _sums_rows(node) -> bool:
 
 
 def _merge_repeats(graph: torch.fx.Graph) -> None:
-    """One node for each deterministic op computed twice on the same operands."""
+    """One node for each deterministic op computed twice on the same operands (a matrix's
+    transpose spelled `t` whichever way it was written)."""
     seen = {}
     for node in list(graph.nodes):
+        if is_matrix_transpose(node) and node.target is not aten.t.default:
+            node.target, node.args, node.kwargs = aten.t.default, (node.args[0],), {}
         if node.op != "call_function" or not _deterministic(node.target):
             continue
         key = (node.target, hashable(node.args), hashable(node.kwargs))

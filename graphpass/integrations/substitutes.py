@@ -3,8 +3,8 @@
 graphpass replaces a hand-written `autograd.Function` by the math it computes only where it can
 read that math from the traced graph and check the backward against it (a Function over logits:
 `passes.replace_hand_written_functions`). A kernel that multiplies the hidden states by the
-output layer in vocabulary blocks or with a bias inside the Function (prime-rl's
-`_SequenceChunkedLogProbEntropyFn`), or whose forward breaks the graph, stays as it is.
+output layer in vocabulary blocks inside chunks of rows, or scales its logits per token
+(prime-rl's `_SequenceChunkedLogProbEntropyFn`), or whose forward breaks the graph, stays as it is.
 For such a kernel, state its plain math once and graphpass fuses that:
 
     @graphpass.integrations.substitute_in_graph(ChunkedLogProbEntropy)

@@ -632,45 +632,143 @@ def test_a_bias_gradient_that_is_not_the_row_sum_keeps_the_function():
 
 
 class _HeadInVocabularyBlocks(torch.autograd.Function):
-    """The output layer multiplied a block of the weight's rows at a time (TRL's and prime-rl's
-    kernels), an online log-sum-exp over the blocks."""
+    """TRL's and prime-rl's kernel shape, written in torch: the output layer multiplied a block of
+    the weight's rows at a time (`hidden @ W[a:b].T`, `row_chunk` rows at a time where given),
+    folded into an online log-sum-exp; in backward each block's logits recomputed, `dhidden +=
+    dz @ W[a:b]` and `dW[a:b] += dz.T @ hidden` (or the whole `dz @ W` at once, `backward="whole"`),
+    accumulated in fp32. `flaw` names how the backward differs from the gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, block: int):
-        m = torch.full((hidden.shape[0],), float("-inf"), dtype=hidden.dtype)
-        s, picked = torch.zeros_like(m), torch.zeros_like(m)
-        for start in range(0, weight.shape[0], block):
-            z = hidden @ weight[start:start + block].T
-            new_m = torch.maximum(m, z.amax(-1))
-            s = s * (m - new_m).exp() + (z - new_m[:, None]).exp().sum(-1)
-            m = new_m
-            inside = (target >= start) & (target < start + block)
-            picked = torch.where(inside, z.gather(-1, (target - start).clamp(0, block - 1)[:, None])[:, 0], picked)
-        lse = m + s.log()
-        ctx.save_for_backward(hidden, weight, target, lse)
-        return picked - lse
+    def forward(ctx, hidden, weight, target, block: int, row_chunk: int, backward: str, flaw: str):
+        logprobs, entropies, lses = [], [], []
+        for r in range(0, hidden.shape[0], row_chunk):
+            h, y = hidden[r:r + row_chunk], target[r:r + row_chunk]
+            m = torch.full(h.shape[:1], float("-inf"), dtype=torch.float32 if h.dtype == torch.bfloat16 else h.dtype)
+            s, sx, picked = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+            for start in range(0, weight.shape[0], block):
+                x = (h @ weight[start:start + block].T).to(m.dtype) / 0.7
+                new_m = torch.maximum(m, x.amax(-1))
+                rescale = (m - new_m).exp()
+                e = (x - new_m[:, None]).exp()
+                s.mul_(rescale).add_(e.sum(-1))
+                sx.mul_(rescale).add_((e * x).sum(-1))
+                m.copy_(new_m)
+                inside = (y >= start) & (y < start + block)
+                picked.copy_(torch.where(inside, x.gather(-1, (y - start).clamp(0, block - 1)[:, None])[:, 0], picked))
+            lse = m + s.log()
+            logprobs.append(picked - lse)
+            entropies.append(lse - sx / s)
+            lses.append(lse)
+        logprob, entropy = torch.cat(logprobs), torch.cat(entropies)
+        ctx.save_for_backward(hidden, weight, target, torch.cat(lses), entropy)
+        ctx.block, ctx.backward, ctx.flaw = block, backward, flaw
+        return logprob, entropy
 
     @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, target, lse = ctx.saved_tensors
-        dz = (F.one_hot(target, weight.shape[0]).to(hidden.dtype) - (hidden @ weight.T - lse[:, None]).exp()) * grad[:, None]
-        return dz @ weight, dz.T @ hidden, None, None
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, target, lse, entropy = ctx.saved_tensors
+        acc = torch.float32 if hidden.dtype == torch.bfloat16 else hidden.dtype
+        dhidden, dweight = torch.zeros(hidden.shape, dtype=acc), torch.zeros(weight.shape, dtype=acc)
+        blocks = [(0, weight.shape[0])] if ctx.backward == "whole" else \
+            [(a, min(a + ctx.block, weight.shape[0])) for a in range(0, weight.shape[0], ctx.block)]
+        for a, b in blocks:
+            w = weight[a:b]
+            x = (hidden @ w.T).to(acc) / 0.7
+            logp = x - lse[:, None]
+            p = logp.exp()
+            dz = ((torch.arange(a, b) == target[:, None]).to(acc) - p) * grad_logprob[:, None]
+            if ctx.flaw != "entropy gradient dropped":
+                dz = dz - p * (logp + entropy[:, None]) * grad_entropy[:, None]
+            dz = (dz / 0.7).to(hidden.dtype)
+            dhidden += (dz @ w).to(acc)
+            if not (ctx.flaw == "last block's weight gradient dropped" and b == weight.shape[0]):
+                dweight[a:b] += (dz.T @ hidden).to(acc)
+        return dhidden.to(hidden.dtype), dweight.to(weight.dtype), None, None, None, None, None
 
 
-def test_an_output_layer_in_vocabulary_blocks_keeps_the_function_with_the_reason():
-    tensors, target, advantages = _with_bias_inputs(8)
-    compiled = [t.clone().requires_grad_() for t in tensors[:2]]
-    eager = [t.clone().requires_grad_() for t in tensors[:2]]
+def _head_inputs(seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) / 3
+    target = torch.randint(0, V, (T,), generator=g)
+    target[0], target[1], target[-1] = 0, 15, V - 1
+    return [hidden.to(dtype), weight.to(dtype)], target, torch.randn(2, T, generator=g, dtype=torch.float64)
+
+
+def _head_plain(hidden, weight, target, weights):
+    logp = (hidden @ weight.T / 0.7).log_softmax(-1)
+    return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
+
+
+@pytest.mark.parametrize("backward", ["blocks", "whole"])
+@pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "last block's weight gradient dropped"])
+@pytest.mark.parametrize("block", [8, 16, V])
+def test_an_output_layer_in_vocabulary_blocks_is_read_as_one_product(block, flaw, backward):
+    """The blocks' products are read as blocks of one `hidden @ W.T`, and the backward's sums over
+    blocks as the whole products: the Function becomes the product and the plain math of its
+    logits, the lm_head fused, float64 values and both gradients to 1e-12; a flawed backward runs
+    as written, with the reason."""
+    tensors, target, weights = _head_inputs(8)
 
     def fn(hidden, weight):
-        return (_HeadInVocabularyBlocks.apply(hidden, weight, target, 16) * advantages).sum()
+        return _loss(*_HeadInVocabularyBlocks.apply(hidden, weight, target, block, T, backward, flaw), weights)
 
+    exact, eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(3))
+    want, got_eager = _head_plain(*exact, target, weights), fn(*eager)
+    want.backward()
+    got_eager.backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    # The whole-weight backward's dW[0:V] = ... is one product: a dropped last block drops all of it.
+    if flaw == "none":
+        assert [(s.replaced_function is not None, s.lm_head, s.kind) for s in record.sites] == \
+            [(True, True, "logprob+entropy")] and reasons == [], record
+        assert _err(value, want) <= 1e-12
+        for got, exact_t in zip(compiled, exact):
+            assert _err(got.grad, exact_t.grad) <= 1e-12
+        return
+    assert not any(s.replaced_function for s in record.sites) and len(reasons) == 1, record
+    assert _err(value, got_eager) <= 1e-12
+    for got, ref in zip(compiled, eager):
+        assert _err(got.grad, ref.grad) <= 1e-12
+    expected = "not the gradient of its forward's math" if flaw == "entropy gradient dropped" else \
+        "the weight's gradient"
+    assert expected in reasons[0], reasons[0]
+
+
+def test_an_output_layer_in_vocabulary_blocks_in_bf16_is_as_close_to_float64_as_the_function():
+    """In bf16 the rewrite keeps fp32 statistics and accumulation: no farther from float64 than
+    the Function's own arithmetic (plus bf16's rounding of the result)."""
+    tensors, target, weights = _head_inputs(9, torch.bfloat16)
+
+    def fn(hidden, weight):
+        return _loss(*_HeadInVocabularyBlocks.apply(hidden, weight, target, 16, T, "blocks", "none"), weights)
+
+    exact, eager, compiled = ([t.detach().to(dt).requires_grad_() for t in tensors]
+                              for dt in (torch.float64, torch.bfloat16, torch.bfloat16))
+    _head_plain(*exact, target, weights).backward()
+    fn(*eager).backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)], record
+    for got, ref, exact_t in zip(compiled, eager, exact):
+        assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-2
+
+
+def test_vocabulary_blocks_inside_chunks_of_rows_keep_the_function_with_the_reason():
+    tensors, target, weights = _head_inputs(10)
+
+    def fn(hidden, weight):
+        return _loss(*_HeadInVocabularyBlocks.apply(hidden, weight, target, 16, 5, "blocks", "none"), weights)
+
+    eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(2))
     fn(*eager).backward()
     value, record = _compile(fn, *compiled)
     value.backward()
     reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
     assert not any(s.replaced_function for s in record.sites) and len(reasons) == 1 and \
-        "vocabulary blocks" in reasons[0] and "substitute_in_graph" in reasons[0], record
+        "chunks of the hidden states' rows" in reasons[0] and "substitute_in_graph" in reasons[0], record
     for got, ref in zip(compiled, eager):
         assert _err(got.grad, ref.grad) <= 1e-12
 
