@@ -32,8 +32,9 @@ import torch.fx
 from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.backward_check import check_backward, joint_module
-from graphpass.analysis.output_layer_function import (cut_at_logits, emit_product, issues_collectives,
-                                                       output_layer_inside, read_transposes, transposed_inputs)
+from graphpass.analysis.output_layer_function import (cut_at_logits, emit_product, fold_weight_blocks,
+                                                       issues_collectives, output_layer_inside, read_transposes,
+                                                       transposed_inputs)
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
@@ -159,6 +160,9 @@ def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
     if joint.mutated_inputs:
         return _OUTPUT_LAYER_KEPT.format(where, "its backward writes into its inputs")
     read_transposes(joint.gm, transposed_inputs(tensors))
+    why = fold_weight_blocks(joint.gm, len(vals), len(output_vals))
+    if why is not None:
+        return _OUTPUT_LAYER_KEPT.format(where, why)
     fold_function_body(joint.gm, vals + grads)
     cut = cut_at_logits(joint.gm, vals, len(output_vals))
     if isinstance(cut, str):

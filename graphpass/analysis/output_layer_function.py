@@ -4,7 +4,7 @@ A hand-written lm_head kernel computes `z = hidden @ W.T (+ b)` (whole, chunk by
 rows, or a vocabulary block `W[a:b]` at a time), log-probs and/or entropies of `z`, and in
 backward the logits' gradient `dz` from `z` recomputed, then `dhidden = dz @ W`, `dW = dz.T @
 hidden` (and `db = dz.sum(0)`). With its chunk loops folded (`fold_function_body`) and its
-vocabulary blocks read as blocks of one product (`_fold_weight_blocks`), its joint graph (forward then backward) is checked to be exactly that
+vocabulary blocks read as blocks of one product (`fold_weight_blocks`), its joint graph (forward then backward) is checked to be exactly that
 chain rule around one product `z`, and its logits-level part is cut out: a joint of `z` alone,
 `(z, *other inputs, *grad_outputs) -> (*outputs, dz, None, ...)`, whose forward is matched and
 whose backward is checked as any logits Function's is (`backward_check`).
@@ -108,9 +108,6 @@ def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: 
     graph = joint.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     inputs, n_inputs = placeholders[:len(example_inputs)], len(example_inputs)
-    why = _fold_weight_blocks(graph, inputs, n_outputs)
-    if why is not None:
-        return why
     _merge_repeats(graph)  # the backward's recomputed logits are the forward's
     heads, blocks = [], False
     for node in graph.nodes:
@@ -151,24 +148,24 @@ def cut_at_logits(joint: torch.fx.GraphModule, example_inputs: list, n_outputs: 
 
 
 # ---- an output layer multiplied a vocabulary block at a time --------------------------------------
-def _fold_weight_blocks(graph: torch.fx.Graph, inputs, n_outputs: int) -> str | None:
-    """Read a joint that multiplies vocabulary blocks of the weight (TRL's and prime-rl's kernels)
-    as one product: each `hidden @ W[a:b].T` becomes `(hidden @ W.T)[:, a:b]`, and where the
-    blocks tile the vocabulary, the backward's `sum_j dz_j @ W[a_j:b_j]` and `cat_j(dz_j.T @
-    hidden)` become `dz @ W` and `dz.T @ hidden` for `dz = cat_j(dz_j)`. None when done (or there
-    are no blocks), else why the backward's blocks are not that."""
-    blocks, chunked = [], False
+def fold_weight_blocks(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int) -> str | None:
+    """Read a joint that multiplies vocabulary blocks of the weight (the shape of TRL's and
+    prime-rl's kernels) as one product `z = hidden @ W.T`: each `hidden @ W[a:b].T` becomes
+    `z[:, a:b]`, and where the blocks tile the vocabulary, the backward's `dhidden += dz_a @ W[a:b]`
+    and `dW[a:b] = dz_a.T @ hidden` (or `+=` into zeros, or a `cat` of the blocks) become `dz @ W`
+    and `dz.T @ hidden` for `dz = cat_a(dz_a)`. Changes `joint`; None when done (or there are no
+    blocks), else why the joint's blocks are not that."""
+    graph = joint.graph
+    inputs = list(graph.find_nodes(op="placeholder"))[:n_inputs]
+    blocks = []
     for node in list(graph.nodes):
         head, _ = match_matmul(node) if node.op == "call_function" else (None, None)
-        if head is not None and _is_block_of(head.weight, inputs):
-            if head.hidden in inputs:
-                blocks.append((node, head))
-            else:  # the backward's `dz_j @ W[a:b]`, or a chunk of rows times a block
-                rows = _plain(head.hidden)
-                chunked = chunked or rows.target in (aten.slice.Tensor, aten.narrow.default) and \
-                    _plain(rows.args[0]) in inputs
-    if chunked:
-        return "it multiplies vocabulary blocks of the weight by chunks of the hidden states' rows (a loop in a loop)"
+        if head is None or not _is_block_of(head.weight, inputs):
+            continue
+        if _whole(head.hidden, inputs) is not None:
+            blocks.append((node, head))
+        elif _is_block_of(head.hidden, inputs):  # (the backward's `dz_a @ W[a:b]` reads no input's rows)
+            return "it multiplies vocabulary blocks of the weight by chunks of the hidden states' rows (a loop in a loop)"
     if not blocks:
         return None
     fake_mode = detect_fake_mode([n.meta["val"] for n in inputs if "val" in n.meta])
@@ -177,11 +174,11 @@ def _fold_weight_blocks(graph: torch.fx.Graph, inputs, n_outputs: int) -> str | 
         weight, (a, b) = _block(head.weight)
         if head.bias is not None or head.weight_transposed or node.target not in catalogue.MATRIX_PRODUCTS:
             return "it multiplies vocabulary blocks of the weight other than as hidden @ W[a:b].T"
-        key = (head.hidden, weight, node.target)
+        key = (_whole(head.hidden, inputs), weight, node.target)
         with graph.inserting_before(node):
             if key not in products:
                 transposed = fake_node(graph, fake_mode, aten.t.default, (weight,), like=node)
-                products[key] = fake_node(graph, fake_mode, node.target, (head.hidden, transposed), like=node)
+                products[key] = fake_node(graph, fake_mode, node.target, (key[0], transposed), like=node)
             block = fake_node(graph, fake_mode, aten.slice.Tensor, (products[key], -1, a, b), like=node)
         node.replace_all_uses_with(block)
         graph.erase_node(node)
@@ -194,107 +191,134 @@ def _fold_weight_blocks(graph: torch.fx.Graph, inputs, n_outputs: int) -> str | 
     seeds = [g for g in (grads[h_pos], grads[w_pos]) if isinstance(g, torch.fx.Node)]
     if not any(_is_product(n) and _is_block_of(n.args[1], [weight]) for n in transitive_inputs(seeds) | set(seeds)):
         return None  # a backward that multiplies the whole weight: read as any other
-    terms = _block_terms(grads[h_pos], weight) if grads[h_pos] is not None else None
-    if terms is None:
-        return "its backward does not sum dz @ W[a:b] over vocabulary blocks that tile the weight for the hidden states' gradient"
-    pieces = _row_blocks(grads[w_pos])
-    if pieces is None or [(block, _plain(_untransposed(_product_of(p, hidden)))) for block, p in pieces] != \
-            [(block, _plain(dz)) for block, dz in terms]:
-        return "its backward does not put dz.T @ hidden of each vocabulary block in the weight's gradient"
+    blocks = _blocks_of_dz(grads[h_pos], grads[w_pos], hidden, weight)
+    if isinstance(blocks, str):
+        return blocks
     with graph.inserting_before(graph.output_node()):
-        dz = fake_node(graph, fake_mode, aten.cat.default, ([dz for _, dz in terms], -1), like=terms[-1][1])
+        dz = fake_node(graph, fake_mode, aten.cat.default, (blocks, -1), like=blocks[-1])
         grads[h_pos] = fake_node(graph, fake_mode, product, (dz, weight), like=dz)
         grads[w_pos] = fake_node(graph, fake_mode, product,
                                  (fake_node(graph, fake_mode, aten.t.default, (dz,), like=dz), hidden), like=dz)
     graph.output_node().args = ((*results[:n_outputs], *grads),)
     graph.eliminate_dead_code()
+    joint.recompile()
     return None
 
 
-def _block(node):
-    """(the weight, (a, b)) of `W[a:b]` (`_is_block_of`), `b` at most its rows."""
+def _blocks_of_dz(dhidden, dweight, hidden, weight):
+    """[dz_a per vocabulary block, in order] (as `dz_a @ W[a:b]` reads it) when `dhidden` is
+    `sum_a dz_a @ W[a:b]` and `dweight` puts `dz_a.T @ hidden` in its rows `[a, b)`, the blocks
+    tiling the weight's rows; else why not."""
+    vocab = weight.meta["val"].shape[0]
+    summed = _writes(dhidden, hidden.meta["val"].shape[0]) if dhidden is not None else None
+    by_block = _writes(dweight, vocab) if dweight is not None else None
+    if summed is None or by_block is None or len(summed) != 1:
+        return "its backward's gradients for the hidden states and the weight are not sums of products by blocks"
+    from_dh = {}
+    for term in next(iter(summed.values())):
+        if not (_is_product(term) and _is_block_of(term.args[1], [weight])) or _block(term.args[1])[1] in from_dh:
+            return "its backward does not sum dz @ W[a:b] over vocabulary blocks for the hidden states' gradient"
+        from_dh[_block(term.args[1])[1]] = term.args[0]
+    from_dw = {}
+    for block, terms in by_block.items():
+        if len(terms) != 1 or not _is_product(terms[0]) or _whole(terms[0].args[1], [hidden]) is not hidden:
+            return "its backward does not put dz.T @ hidden in each vocabulary block of the weight's gradient"
+        from_dw[block] = _plain(_untransposed(terms[0].args[0]))
+    if not _tile(sorted(from_dh), vocab):
+        return "its backward's vocabulary blocks do not tile the weight"
+    if {block: _plain(dz) for block, dz in from_dh.items()} != from_dw:
+        return "its backward puts dz.T @ hidden of other values or blocks in the weight's gradient than dz @ W[a:b] " \
+               "in the hidden states'"
+    return [from_dh[block] for block in sorted(from_dh)]
+
+
+def _writes(node, size: int) -> dict | None:
+    """{(p, q): [terms]}: `node` as the sums of terms written in its rows `[p, q)` (a chunk of rows
+    or a vocabulary block), rows not named zero: an accumulator filled with `buf[p:q] = x` or
+    `buf[p:q] += x` (functionalized into `slice_scatter`s), a `cat` of pieces along the rows, or
+    a sum over all rows. Casts and copies aside; None where it is none of these."""
     node = _plain(node)
-    weight = _plain(node.args[0])
-    rows = weight.meta["val"].shape[0]
-    if node.target is aten.narrow.default:
-        return weight, (node.args[2], min(node.args[2] + node.args[3], rows))
-    start, end = (list(node.args[2:4]) + [None, None])[:2]
-    return weight, (start or 0, rows if end is None else min(end, rows))
+    if node.target in catalogue.ZEROS:
+        return {}
+    if node.target is aten.cat.default and (node.args[1] if len(node.args) > 1 else 0) == 0:
+        written, start = {}, 0
+        for piece in node.args[0]:
+            end = start + piece.meta["val"].shape[0]
+            written[start, end] = _terms(piece)
+            start = end
+        return None if any(t is None for t in written.values()) else written
+    if node.target is not aten.slice_scatter.default:
+        terms = _terms(node)
+        return None if terms is None else {(0, size): terms}
+    base, value = node.args[:2]
+    if node.args[2] != 0 or (node.args[5] if len(node.args) > 5 else 1) != 1:
+        return None
+    region = (node.args[3], min(node.args[4], size))
+    written = _writes(base, size)
+    if written is None or any(r != region and r[0] < region[1] and region[0] < r[1] for r in written):
+        return None  # a write that overlaps another only in part
+    value = _plain(value)
+    if _plain(base).target is aten.slice_scatter.default and _plain(_plain(base).args[1]) is value:
+        return written  # `buf[p:q] += x` writes the sum back a second time
+    terms = _terms(value)  # `buf[p:q] + x` reads what is there (an accumulation)
+    if terms is None:
+        return None
+    written[region] = terms
+    return written
 
 
-def _block_terms(total, weight):
-    """[((a, b), dz)] sorted, for `total = sum_j dz_j @ W[a_j:b_j]` (from a zero fill, casts aside)
-    over blocks that tile `weight`'s rows (`dz` as the product reads it: cast to the weight's
-    dtype); else None."""
-    terms, stack = [], [total]
+def _terms(node):
+    """The terms of `node` = a sum (casts aside), zero fills dropped, and `buf[p:q]` read as the
+    terms written there (none: zero). None if a term reads part of a write."""
+    terms, stack = [], [node]
     while stack:
         node = _plain(stack.pop())
         if node.target is aten.add.Tensor and not node.kwargs:
             stack.extend(node.args)
         elif node.target in catalogue.ZEROS:
             continue
-        elif _is_product(node) and _is_block_of(node.args[1], [weight]):
-            terms.append((_block(node.args[1])[1], node.args[0]))
+        elif node.target is aten.slice.Tensor and node.args[1] == 0 and \
+                (node.args[4] if len(node.args) > 4 else 1) == 1:
+            size = node.args[0].meta["val"].shape[0]
+            held = _writes(node.args[0], size)
+            region = _block(node)[1]
+            if held is None or any(r != region and r[0] < region[1] and region[0] < r[1] for r in held):
+                return None
+            terms.extend(held.get(region, []))
         else:
-            return None
-    terms.sort(key=lambda t: t[0])
+            terms.append(node)
+    return terms
+
+
+def _tile(regions, size) -> bool:
+    """Whether the sorted `(a, b)` regions are disjoint and cover `[0, size)`."""
     end = 0
-    for (a, b), _ in terms:
+    for a, b in regions:
         if a != end:
-            return None
+            return False
         end = b
-    return terms if end == weight.meta["val"].shape[0] else None
+    return end == size
 
 
-def _row_blocks(node):
-    """[((a, b), x)] sorted, for `node` = the `x`s put in rows `[a, b)` of a zero fill, by a
-    `cat` along the rows or by `slice_scatter`s (`W_grad[a:b] = x`, or `+= x` of zeros); else None."""
+def _whole(node, inputs):
+    """The input `node` is, itself or all its rows (`x[0:n]`), else None."""
     node = _plain(node)
-    if node.target is aten.cat.default and (node.args[1] if len(node.args) > 1 else 0) == 0:
-        blocks, start = [], 0
-        for piece in node.args[0]:
-            blocks.append(((start, start + piece.meta["val"].shape[0]), piece))
-            start = blocks[-1][0][1]
-        return blocks
-    written = {}
-    while node.target is aten.slice_scatter.default:
-        if node.args[2] != 0 or (node.args[5] if len(node.args) > 5 else 1) != 1:
-            return None
-        block = (node.args[3], min(node.args[4], node.meta["val"].shape[0]))
-        if any(a < block[1] and block[0] < b for a, b in written):
-            if block not in written:
-                return None  # partly overwritten later
-        else:
-            written[block] = _plain(node.args[1])
-        node = _plain(node.args[0])
-    if node.target not in catalogue.ZEROS:
-        return None
-    return sorted((block, _without_zeros(x, block)) for block, x in written.items())
+    if node in inputs:
+        return node
+    if _is_block_of(node, inputs) and _block(node)[1] == (0, _plain(node.args[0]).meta["val"].shape[0]):
+        return _plain(node.args[0])
+    return None
 
 
-def _without_zeros(x, block):
-    """`x` = `y + zeros[a:b]` (an accumulator's untouched rows) as `y`."""
-    if x.target is aten.add.Tensor and not x.kwargs:
-        for zero, y in (x.args, x.args[::-1]):
-            if isinstance(zero, torch.fx.Node) and zero.target is aten.slice.Tensor and zero.args[1] == 0 and \
-                    _block(zero)[1] == block and _zero_rows(zero.args[0], block):
-                return _plain(y)
-    return x
-
-
-def _zero_rows(node, block) -> bool:
-    """Whether rows `[a, b)` of `node` are still a zero fill's (written elsewhere only)."""
+def _block(node):
+    """(the input, (a, b)) of `x[a:b]` along its first dim, `b` at most its size."""
     node = _plain(node)
-    while node.target is aten.slice_scatter.default and node.args[2] == 0 and \
-            not (node.args[3] < block[1] and block[0] < node.args[4]):
-        node = _plain(node.args[0])
-    return node.target in catalogue.ZEROS
-
-
-def _product_of(node, right):
-    """`x` of `node = x @ right` (casts aside), else None."""
-    node = _plain(node)
-    return node.args[0] if _is_product(node) and _plain(node.args[1]) is right else None
+    source = _plain(node.args[0])
+    rows = source.meta["val"].shape[0]
+    if node.target is aten.narrow.default:
+        return source, (node.args[2], min(node.args[2] + node.args[3], rows))
+    start, end = (list(node.args[2:4]) + [None, None])[:2]
+    return source, (start or 0, rows if end is None else min(end, rows))
 
 
 def _is_block_of(weight, inputs) -> bool:

@@ -635,8 +635,8 @@ class _HeadInVocabularyBlocks(torch.autograd.Function):
     """TRL's and prime-rl's kernel shape, written in torch: the output layer multiplied a block of
     the weight's rows at a time (`hidden @ W[a:b].T`, `row_chunk` rows at a time where given),
     folded into an online log-sum-exp; in backward each block's logits recomputed, `dhidden +=
-    dz @ W[a:b]` and `dW[a:b] += dz.T @ hidden` (or the whole `dz @ W` at once, `backward="whole"`),
-    accumulated in fp32. `flaw` names how the backward differs from the gradient."""
+    dz @ W[a:b]` and `dW[a:b] += dz.T @ hidden` (`=` with `backward="blocks, assigned"`; the whole
+    `dz @ W` at once with "whole"), accumulated in fp32. `flaw` names how the backward differs from the gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, block: int, row_chunk: int, backward: str, flaw: str):
@@ -681,7 +681,11 @@ class _HeadInVocabularyBlocks(torch.autograd.Function):
                 dz = dz - p * (logp + entropy[:, None]) * grad_entropy[:, None]
             dz = (dz / 0.7).to(hidden.dtype)
             dhidden += (dz @ w).to(acc)
-            if not (ctx.flaw == "last block's weight gradient dropped" and b == weight.shape[0]):
+            if ctx.flaw == "last block's weight gradient dropped" and b == weight.shape[0]:
+                continue
+            if ctx.backward == "blocks, assigned":
+                dweight[a:b] = dz.T @ hidden
+            else:
                 dweight[a:b] += (dz.T @ hidden).to(acc)
         return dhidden.to(hidden.dtype), dweight.to(weight.dtype), None, None, None, None, None
 
@@ -700,7 +704,7 @@ def _head_plain(hidden, weight, target, weights):
     return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
 
 
-@pytest.mark.parametrize("backward", ["blocks", "whole"])
+@pytest.mark.parametrize("backward", ["blocks", "blocks, assigned", "whole"])
 @pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "last block's weight gradient dropped"])
 @pytest.mark.parametrize("block", [8, 16, V])
 def test_an_output_layer_in_vocabulary_blocks_is_read_as_one_product(block, flaw, backward):
