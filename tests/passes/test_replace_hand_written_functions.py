@@ -131,6 +131,20 @@ def _compile(fn, *args, inner="aot_eager"):
     return torch.compile(fn, backend=backend)(*args), backend.records[-1]
 
 
+def _three_ways(fn, plain, *tensors):
+    """`plain` (the math in float64), `fn` eager and `fn` compiled by graphpass, each on its own
+    copies of `tensors` and back-propagated: the three copies, the three values, the record and the
+    reasons a Function was kept."""
+    exact, eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(3))
+    want, got_eager = plain(*exact), fn(*eager)
+    want.backward()
+    got_eager.backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    return (exact, eager, compiled), (want, got_eager, value), record, reasons
+
+
 def _loss(logprob, entropy, weights):
     return (logprob * weights[0]).sum() + (entropy * weights[1]).sum() if entropy.numel() else (logprob * weights[0]).sum()
 
@@ -362,13 +376,7 @@ def test_a_chunk_loop_over_rows_is_read_as_one_computation(flaw, chunk):
         logp = (logits / 0.7).log_softmax(-1)
         return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
 
-    exact, eager_x, x = (x.clone().requires_grad_() for _ in range(3))
-    want, eager = plain(exact), fn(eager_x)
-    want.backward()
-    eager.backward()
-    value, record = _compile(fn, x)
-    value.backward()
-    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    ((exact,), (eager_x,), (x,)), (want, eager, value), record, reasons = _three_ways(fn, plain, x)
     if flaw == "none":
         assert [s.replaced_function is not None for s in record.sites] == [True] and reasons == [], record
         # The Function rounds to float32 inside; the plain math graphpass runs does not.
@@ -441,13 +449,7 @@ def test_an_online_log_sum_exp_over_vocabulary_blocks_is_read_as_the_log_softmax
         logp = (logits * 2 / 0.7).log_softmax(-1)
         return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
 
-    exact, eager_x, x = (x.clone().requires_grad_() for _ in range(3))
-    want, eager = plain(exact), fn(eager_x)
-    want.backward()
-    eager.backward()
-    value, record = _compile(fn, x)
-    value.backward()
-    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    ((exact,), (eager_x,), (x,)), (want, eager, value), record, reasons = _three_ways(fn, plain, x)
     if flaw == "none" or (flaw == "sum not rescaled" and block == V):  # one block: nothing to rescale
         assert [(s.replaced_function is not None, s.kind) for s in record.sites] == [(True, "logprob+entropy")] \
             and reasons == [], record
@@ -542,13 +544,7 @@ def test_a_function_with_the_output_layer_inside_is_read_at_its_logits(flaw, chu
         logp = (hidden @ weight.T / 0.7).log_softmax(-1)
         return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
 
-    exact, eager, compiled = ([t.clone().requires_grad_() for t in (hidden, weight)] for _ in range(3))
-    want, got_eager = plain(*exact), fn(*eager)
-    want.backward()
-    got_eager.backward()
-    value, record = _compile(fn, *compiled)
-    value.backward()
-    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    (exact, eager, compiled), (want, got_eager, value), record, reasons = _three_ways(fn, plain, hidden, weight)
     if flaw == "none":
         assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)] and \
             reasons == [], (record.sites, record.rejected)
@@ -717,13 +713,8 @@ def test_an_output_layer_in_vocabulary_blocks_is_read_as_one_product(block, flaw
     def fn(hidden, weight):
         return _loss(*_HeadInVocabularyBlocks.apply(hidden, weight, target, block, T, backward, flaw), weights)
 
-    exact, eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(3))
-    want, got_eager = _head_plain(*exact, target, weights), fn(*eager)
-    want.backward()
-    got_eager.backward()
-    value, record = _compile(fn, *compiled)
-    value.backward()
-    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    (exact, eager, compiled), (want, got_eager, value), record, reasons = _three_ways(
+        fn, lambda hidden, weight: _head_plain(hidden, weight, target, weights), *tensors)
     # The whole-weight backward's dW[0:V] = ... is one product: a dropped last block drops all of it.
     if flaw == "none":
         assert [(s.replaced_function is not None, s.lm_head, s.kind) for s in record.sites] == \
