@@ -258,7 +258,9 @@ def _writes(node, size: int) -> dict | None:
     if written is None or any(r != region and r[0] < region[1] and region[0] < r[1] for r in written):
         return None  # a write that overlaps another only in part
     value = _plain(value)
-    if _plain(base).target is aten.slice_scatter.default and _plain(_plain(base).args[1]) is value:
+    previous = _plain(base)
+    if previous.target is aten.slice_scatter.default and _plain(previous.args[1]) is value and \
+            tuple(previous.args[2:5]) == tuple(node.args[2:5]):
         return written  # `buf[p:q] += x` writes the sum back a second time
     terms = _terms(value)  # `buf[p:q] + x` reads what is there (an accumulation)
     if terms is None:
