@@ -163,6 +163,8 @@ def fold_weight_blocks(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: in
         if head is None or not _is_block_of(head.weight, inputs):
             continue
         if _whole(head.hidden, inputs) is not None:
+            if not (_uncast(head.hidden) and _uncast(head.weight)):  # one product would drop the casts
+                return "it casts the hidden states or the weight before multiplying vocabulary blocks of the weight"
             blocks.append((node, head))
         elif _is_block_of(head.hidden, inputs):  # (the backward's `dz_a @ W[a:b]` reads no input's rows)
             return "it multiplies vocabulary blocks of the weight by chunks of the hidden states' rows (a loop in a loop)"
@@ -310,6 +312,12 @@ def _whole(node, inputs):
     if _is_block_of(node, inputs) and _block(node)[1] == (0, _plain(node.args[0]).meta["val"].shape[0]):
         return _plain(node.args[0])
     return None
+
+
+def _uncast(node) -> bool:
+    """Whether `node` (and, for a slice, what it slices) is read without a cast or a copy."""
+    return _plain(node) is node and (node.target not in (aten.slice.Tensor, aten.narrow.default)
+                                     or _plain(node.args[0]) is node.args[0])
 
 
 def _block(node):

@@ -751,6 +751,41 @@ def test_an_output_layer_in_vocabulary_blocks_in_bf16_is_as_close_to_float64_as_
         assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-2
 
 
+class _UpcastBlocks(torch.autograd.Function):
+    """bf16 hidden states and weight upcast before each block's product (an fp32 GEMM): one bf16
+    product in their place would round where the Function does not."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target):
+        blocks = [hidden.float() @ weight[a:a + 16].float().T for a in range(0, weight.shape[0], 16)]
+        logp = torch.cat(blocks, -1).log_softmax(-1)
+        ctx.save_for_backward(hidden, weight, target, logp)
+        return logp.gather(-1, target[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, target, logp = ctx.saved_tensors
+        dz = (F.one_hot(target, weight.shape[0]).float() - logp.exp()) * grad[:, None]
+        return (dz @ weight.float()).to(hidden.dtype), (dz.T @ hidden.float()).to(weight.dtype), None
+
+
+def test_vocabulary_blocks_of_an_upcast_weight_keep_the_function_with_the_reason():
+    tensors, target, weights = _head_inputs(11, torch.bfloat16)
+
+    def fn(hidden, weight):
+        return (_UpcastBlocks.apply(hidden, weight, target) * weights[0]).sum()
+
+    eager, compiled = ([t.clone().requires_grad_() for t in tensors] for _ in range(2))
+    fn(*eager).backward()
+    value, record = _compile(fn, *compiled)
+    value.backward()
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    assert not any(s.replaced_function for s in record.sites) and len(reasons) == 1 and \
+        "casts the hidden states or the weight" in reasons[0], record
+    for got, ref in zip(compiled, eager):
+        assert torch.equal(got.grad, ref.grad)
+
+
 def test_vocabulary_blocks_inside_chunks_of_rows_keep_the_function_with_the_reason():
     tensors, target, weights = _head_inputs(10)
 
