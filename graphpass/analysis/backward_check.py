@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from graphpass._torch_api import set_grad_enabled
-from graphpass.analysis import rowlocal
+from graphpass.analysis import catalogue, rowlocal
 from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.rowlocal import ROW
 from graphpass.fx_utils import arange_args, is_floating, target_name, value_or_constant
@@ -329,8 +329,8 @@ def _select(graph, node, env, rows):
 def _fill(graph, node, env, rows):
     """A fill over the rows (`torch.full((T,), -inf)`, `zeros_like(m)`): the same value, `[1, width]`,
     which broadcasts against the probe's rows as the fill did against the code's."""
-    value = node.args[1] if node.target in (aten.full.default, aten.full_like.default) else \
-        node.args[2] if node.target is aten.new_full.default else 0.0
+    position = catalogue.FILLS[node.target.overloadpacket]
+    value = 0.0 if position is None else node.args[position]
     width = rowlocal.layout_of(node.meta["val"], rows).width
     if not isinstance(value, (int, float)) or not isinstance(width, int):
         return "fills a tensor with a value or a width that is not a number"
@@ -346,9 +346,7 @@ def _cat(graph, node, env, rows):
     return graph.call_function(aten.cat.default, ([env[t] for t in tensors], -1))
 
 
-_SPECIAL = {aten.cat.default: _cat, aten.full.default: _fill, aten.zeros.default: _fill, aten.full_like.default: _fill,
-            aten.zeros_like.default: _fill, aten.new_full.default: _fill, aten.new_zeros.default: _fill,
-            aten.select.int: _select, aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+_SPECIAL = {**{fill.default: _fill for fill in catalogue.FILLS}, aten.cat.default: _cat, aten.select.int: _select, aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
             aten.index.Tensor: _index, aten.index_put.default: _index_put, aten.scatter_add.default: _scatter,
             aten.scatter.src: _scatter, aten.scatter.value: _scatter, aten.one_hot.default: _one_hot}
 

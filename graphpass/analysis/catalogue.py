@@ -130,6 +130,9 @@ ROW_MATMULS = {aten.linear.default, aten.matmul.default}
 MATRIX_PRODUCTS = {aten.mm.default, aten.matmul.default}
 #: A buffer of zeros (a gradient accumulated into, chunk by chunk).
 ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+#: Fills of one value, and the position of the value among their arguments (None: zero).
+FILLS = {aten.zeros: None, aten.zeros_like: None, aten.new_zeros: None, aten.full: 1, aten.full_like: 1,
+         aten.new_full: 2}
 
 
 def is_deterministic_pointwise(target) -> bool:

@@ -26,6 +26,7 @@ import torch.fx
 from graphpass._torch_api import detect_fake_mode, fake_node, functional_collectives
 from graphpass.analysis import catalogue
 from graphpass.analysis.lm_head import LmHead, is_matrix_transpose, is_vocab_bias, match_matmul
+from graphpass.analysis.vocab_blocks import tiles
 from graphpass.fx_utils import hashable, is_floating, target_name, transitive_inputs, transitive_users
 
 aten = torch.ops.aten
@@ -226,7 +227,7 @@ def _blocks_of_dz(dhidden, dweight, hidden, weight):
         if len(terms) != 1 or not _is_product(terms[0]) or _whole(terms[0].args[1], [hidden]) is not hidden:
             return "its backward does not put dz.T @ hidden in each vocabulary block of the weight's gradient"
         from_dw[block] = _plain(_untransposed(terms[0].args[0]))
-    if not _tile(sorted(from_dh), vocab):
+    if not tiles(from_dh, vocab):
         return "its backward's vocabulary blocks do not tile the weight"
     if {block: _plain(dz) for block, dz in from_dh.items()} != from_dw:
         return "its backward puts dz.T @ hidden of other values or blocks in the weight's gradient than dz @ W[a:b] " \
@@ -257,8 +258,8 @@ def _writes(node, size: int) -> dict | None:
         return None
     region = (node.args[3], min(node.args[4], size))
     written = _writes(base, size)
-    if written is None or any(r != region and r[0] < region[1] and region[0] < r[1] for r in written):
-        return None  # a write that overlaps another only in part
+    if written is None or _overlaps_in_part(region, written):
+        return None
     value = _plain(value)
     previous = _plain(base)
     if previous.target is aten.slice_scatter.default and _plain(previous.args[1]) is value and \
@@ -286,7 +287,7 @@ def _terms(node):
             size = node.args[0].meta["val"].shape[0]
             held = _writes(node.args[0], size)
             region = _block(node)[1]
-            if held is None or any(r != region and r[0] < region[1] and region[0] < r[1] for r in held):
+            if held is None or _overlaps_in_part(region, held):
                 return None
             terms.extend(held.get(region, []))
         else:
@@ -294,24 +295,20 @@ def _terms(node):
     return terms
 
 
-def _tile(regions, size) -> bool:
-    """Whether the sorted `(a, b)` regions are disjoint and cover `[0, size)`."""
-    end = 0
-    for a, b in regions:
-        if a != end:
-            return False
-        end = b
-    return end == size
-
-
 def _whole(node, inputs):
     """The input `node` is, itself or all its rows (`x[0:n]`), else None."""
     node = _plain(node)
     if node in inputs:
         return node
-    if _is_block_of(node, inputs) and _block(node)[1] == (0, _plain(node.args[0]).meta["val"].shape[0]):
-        return _plain(node.args[0])
+    if _is_block_of(node, inputs):
+        source, rows = _block(node)
+        return source if rows == (0, source.meta["val"].shape[0]) else None
     return None
+
+
+def _overlaps_in_part(region, regions) -> bool:
+    """Whether another of `regions` overlaps `region` (a write over part of another's rows)."""
+    return any(r != region and r[0] < region[1] and region[0] < r[1] for r in regions)
 
 
 def _uncast(node) -> bool:

@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from graphpass._torch_api import same_shape
-from graphpass.analysis import recognize
+from graphpass.analysis import catalogue, recognize
 from graphpass.analysis.recognize import ONE, Exp, Lin
 from graphpass.fx_utils import fake_value
 
@@ -92,7 +92,7 @@ def _cols(key):
     return key[1:] if isinstance(key, tuple) and key[:1] == ("cols",) else None
 
 
-def _tiling(blocks, width) -> bool:
+def tiles(blocks, width) -> bool:
     """Whether the (a, b) blocks are disjoint and cover [0, width)."""
     end = 0
     for a, b in sorted(blocks):
@@ -171,7 +171,7 @@ class BlockEvaluator(recognize.Evaluator):
             return None
         (L, width), = logits
         lo, hi = min(a for a, _ in blocks), max(b for _, b in blocks)
-        if not _tiling([(a - lo, b - lo) for a, b in blocks], hi - lo):
+        if not tiles([(a - lo, b - lo) for a, b in blocks], hi - lo):
             return None
         return (L if (lo, hi) == (0, width) else ("cols", L, lo, hi, width)), dict(shifts.pop())
 
@@ -213,15 +213,11 @@ def _scale_block(base_handler):
     return handler
 
 
-#: Fills, and where their value is (0: a zero fill).
-_FILLS = {aten.zeros: 0, aten.zeros_like: 0, aten.new_zeros: 0, aten.full: 1, aten.full_like: 1, aten.new_full: 2}
-
-
 def _fill(ev, n):
     """`torch.zeros(rows)`, `torch.full(rows, c)` with a finite c (or `zeros_like`, `full_like`,
     `new_zeros`, `new_full`): the constant."""
-    position = _FILLS[recognize.packet(n)]
-    value = 0.0 if position == 0 else recognize.arg_of(n, position, "fill_value")
+    position = catalogue.FILLS[recognize.packet(n)]
+    value = 0.0 if position is None else recognize.arg_of(n, position, "fill_value")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) != float("inf"):
         return recognize.const_lin(float(value))
     return None
@@ -327,7 +323,7 @@ def _where(ev, n):
         blocks = ((a, min(b, width)),)
     else:
         return recognize.h_where(ev, n)
-    if _tiling(blocks, width):
+    if tiles(blocks, width):
         return {("gather", L, y): 1.0}  # every valid token id falls in one block
     return Picked(L, width, y, blocks, _items(rest))
 
@@ -337,7 +333,7 @@ BlockEvaluator.handlers = {
     aten.slice: _slice,
     aten.mul: _scale_block(_mul),
     aten.div: _scale_block(_div),
-    **{fill: _fill for fill in _FILLS},
+    **{fill: _fill for fill in catalogue.FILLS},
     aten.select: recognize.h_select_unit,
     aten.add: _add_sub(1.0),
     aten.sub: _add_sub(-1.0),
