@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import re
 
 import torch
@@ -389,18 +390,81 @@ def autograd_function_apply():
     return torch.ops.higher_order.autograd_function_apply
 
 
-def function_bodies_unread() -> str | None:
-    """Why graphpass does not read an autograd.Function's forward body on this torch, or None.
+def dynamo_loses_gradients_of_written_function_outputs() -> bool:
+    """Whether this torch's Dynamo loses gradients through an autograd.Function whose forward writes
+    in place into a tensor it returns, or into its input (`result.mul_(2)`, `dist.all_reduce(result)`,
+    `mark_dirty`): torch 2.11's does, with any backend (its own "eager" included: the gradient through
+    that output comes out zero, or without the Function's backward); 2.13's does not."""
+    return torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
 
-    Its body returns `((outputs), (saved))`. torch 2.13's first tuple holds the Function's outputs;
-    torch 2.11's holds its intermediate values after them, and nothing says how many are outputs."""
-    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+
+def drop_function_intermediates(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
+    """Make the autograd-Function op `node` return the Function's outputs alone, as torch 2.13's
+    Dynamo makes it; None when it does (or now does), else why its outputs cannot be told.
+
+    The backward body takes a gradient for each value of the forward body's first tuple, named
+    `unused_<k>` where the value is not one of the Function's outputs. torch 2.11 and 2.12's Dynamo
+    put every intermediate value of the forward there; torch 2.13 only tensors the Function returns
+    inside other objects. The op is rewritten without the unused values (new bodies set on `gm`,
+    the readers' indices and `non_differentiable_idx` renumbered) where that reading agrees with
+    the graph: it reads the op's results item by item, none marked unused, and the backward reads
+    no `unused_` gradient."""
+    from graphpass.fx_utils import copy_graph_module
+
+    forward_attr, backward_attr = node.args[0].target, node.args[1].target
+    forward, backward = getattr(gm, forward_attr), getattr(gm, backward_attr)
+    returned, saved = forward.graph.output_node().args[0]
+    grads = list(backward.graph.find_nodes(op="placeholder"))
+    cannot = "Dynamo returns values that are not the Function's outputs with them, and "
+    if len(grads) != len(returned) + len(saved):
+        return cannot + "its backward does not take one gradient for each"
+    unused = {i for i, g in enumerate(grads[:len(returned)]) if g.name.startswith("unused_")}
+    if not unused:
         return None
-    return (f"graphpass reads a Function's math from torch 2.13 on (torch {torch.__version__}'s Dynamo "
-            "returns the Function's intermediate values with its outputs)")
+    example = node.meta.get("example_value")
+    if not isinstance(example, (tuple, list)) or len(example) != len(returned):
+        return cannot + "its recorded outputs do not match its body"
+    if any(grads[i].users for i in unused):
+        return cannot + "its backward reads the gradient of a value Dynamo marks unused"
+    for user in node.users:
+        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+            return cannot + "the graph reads its results whole, not item by item"
+        if user.args[1] in unused:
+            return cannot + "the graph reads a value Dynamo marks unused"
+    kept = [i for i in range(len(returned)) if i not in unused]
+
+    new_forward = copy_graph_module(forward)
+    output = new_forward.graph.output_node()
+    new_returned, new_saved = output.args[0]
+    output.args = ((tuple(new_returned[i] for i in kept), new_saved),)
+    new_forward.recompile()
+    new_backward = copy_graph_module(backward)
+    for i, placeholder in enumerate(list(new_backward.graph.find_nodes(op="placeholder"))):
+        if i in unused:
+            new_backward.graph.erase_node(placeholder)
+    new_backward.recompile()
+    setattr(gm, forward_attr, new_forward)  # `gm`'s own attributes: Dynamo's graph keeps the old bodies
+    setattr(gm, backward_attr, new_backward)
+
+    for user in list(node.users):
+        user.args = (node, kept.index(user.args[1]))
+    node.meta["example_value"] = type(example)(example[i] for i in kept)
+    kwargs = dict(node.kwargs)
+    kwargs["non_differentiable_idx"] = [kept.index(i) for i in kwargs.get("non_differentiable_idx", ()) if i in kept]
+    node.kwargs = kwargs
+    return None
 
 
 # ---- distributed (graphpass/ops/vocab_parallel.py) -------------------------------------------------
+def all_gather_into_tensor():
+    """torch.distributed's all-gather into one flat `[size * n, ...]` tensor: `all_gather_single` from
+    torch 2.13 on (which deprecates `all_gather_into_tensor` in its favour), `all_gather_into_tensor`
+    before (2.11 and 2.12 have no `all_gather_single`)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def resolve_process_group(group_name: str):
     """The `ProcessGroup` named `group_name` (`group.group_name`): custom ops carry a group as its name."""
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -430,12 +494,30 @@ def functional_all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.all_gather_single(x, 0, group_name)
 
 
+def traces_list_reduce_scatter() -> bool:
+    """Whether Dynamo traces torch.distributed's list-form `reduce_scatter` itself: from torch 2.14
+    on it remaps it (any reduce op) to a functional collective; 2.11-2.13 trace into c10d's Python
+    and break the graph."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import traceable_collective_remaps
+
+    return dist.reduce_scatter in traceable_collective_remaps
+
+
 def functional_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of dim 0 of the sum of every rank's `x`, as a traceable functional collective
     (`group`: a process group or its name)."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol.reduce_scatter_single(x, "sum", 0, group)
+
+
+def functional_reduce_scatter_into(output: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Write into `output` this rank's block of dim 0 of the sum of every rank's `x`, as a traceable
+    functional collective (`group`: a process group, its name, or None for the default group)."""
+    import torch.distributed._functional_collectives as funcol
+
+    funcol.reduce_scatter_tensor_inplace(output, x, "sum", group)
 
 
 def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.config import Config
-from graphpass.lint import lint
+from graphpass.lint import lint, lint_functions
 from graphpass.pipeline import EagerRaises, rewrite_graph
 from graphpass.records import GraphRecord
 from graphpass.report import human_bytes, print_graph_report, reporting_enabled
@@ -35,6 +35,15 @@ class Backend:
         record = GraphRecord(index=len(self.records))
         self.records.append(record)
         record.warnings = lint(gm)
+        try:
+            return self._compile(gm, example_inputs, record)
+        finally:
+            replaced = {f for s in record.sites if record.rewritten and s.replaced_function
+                        for f in s.replaced_function.split(", ")}
+            record.warnings += lint_functions(gm, replaced)
+
+    def _compile(self, gm, example_inputs, record):
+        """The rewritten graph compiled by the inner compiler, or the graph as written, `record` filled."""
         try:
             result = rewrite_graph(gm, example_inputs, self.config, record)
         except EagerRaises as e:

@@ -46,6 +46,7 @@ class _Hop:
     kwargs: dict
     submodules: dict  # get_attr name -> module, for subgraph arguments
     mutates_inputs: str | None = None  # why the op cannot be put back (a pass may still replace it)
+    unread: str | None = None  # why no pass may read its bodies (their outputs could not be told)
 
     @property
     def bodies(self) -> list:
@@ -218,6 +219,9 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not _torch_api.is_higher_order_op(node.target):
             continue
+        unread = None
+        if node.target is _torch_api.autograd_function_apply():
+            unread = _torch_api.drop_function_intermediates(gm, node)
         mutates_inputs = _check_stubbable(gm, node)
         tensors, args, submodules = [], [], {}
         for a in node.args:
@@ -230,7 +234,8 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
             else:
                 args.append(a)
         key = f"hop{next(_counter)}"
-        hops[key] = _HOPS[key] = _Hop(node.target, tuple(args), dict(node.kwargs), submodules, mutates_inputs)
+        hops[key] = _HOPS[key] = _Hop(node.target, tuple(args), dict(node.kwargs), submodules, mutates_inputs,
+                                       unread)
         with gm.graph.inserting_before(node):
             stub = gm.graph.call_function(_opaque_op(), (key, tensors))
         stub.meta.update(node.meta)
@@ -308,20 +313,23 @@ _INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "
                       "ixor", "ilshift", "irshift"}
 
 
-def written_inputs(body) -> set[int] | None:
-    """The positions of `body`'s inputs that it may write into: an in-place op (`add_`, `x -= y`),
-    a setitem or an out= argument whose target is the input or a possible alias of it; None when
-    it cannot tell which (a nested body that writes into its inputs)."""
+def written_inputs(body, sources=None) -> set[int] | None:
+    """The positions of `body`'s inputs (or of `sources`, nodes of `body`) that it may write into
+    once they exist: an in-place op (`add_`, `x -= y`), a setitem or an out= argument whose target
+    is the value or a possible alias of it; None when it cannot tell which (a nested body that
+    writes into its inputs)."""
     if not isinstance(body, torch.fx.GraphModule):
         return set()
-    roots = {p: {i} for i, p in enumerate(body.graph.find_nodes(op="placeholder"))}
+    roots: dict = {}
+    for i, source in enumerate(body.graph.find_nodes(op="placeholder") if sources is None else sources):
+        roots.setdefault(source, set()).add(i)
     written_positions = set()
     for node in body.graph.nodes:
         name = _callee_name(node)
         args = [a for a in node.args if isinstance(a, torch.fx.Node)]
         inplace_operator = name in _INPLACE_OPERATORS or name.strip("_") in _INPLACE_OPERATORS
         if (name in _MAY_ALIAS or inplace_operator) and args and args[0] in roots:
-            roots[node] = roots[args[0]]
+            roots[node] = roots[args[0]] | roots.get(node, set())
         written = []
         if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__") or inplace_operator:
             written = args[:1]

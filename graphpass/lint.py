@@ -5,17 +5,22 @@ source line, recorded in `GraphRecord.warnings`.
   autograd: the gradient of its input is the local one. Dynamo remaps it to the functional
   all-reduce, which has a backward that all-reduces (sums) the gradient over the group, so the
   compiled gradients come out up to the group size times eager's.
+- **An autograd.Function that writes into a tensor it returns, on torch 2.11.** There Dynamo loses
+  the gradient through it (`_torch_api.dynamo_loses_gradients_of_written_function_outputs`), with
+  any backend; graphpass replaces such a Function only where it reads it.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 
 import torch
 
 from graphpass import _torch_api
 from graphpass.analysis.regions import stack_frames
+from graphpass.capture import written_inputs
 
 log = logging.getLogger("graphpass")
 
@@ -36,12 +41,41 @@ def lint(gm: torch.fx.GraphModule) -> list[str]:
                 "an in-place dist.all_reduce as a differentiable all-reduce whose backward sums the gradient over "
                 "the group, so compiled gradients differ from eager's (up to the group size times); all-reduce a "
                 "detached tensor, or put it in an autograd.Function whose backward says what you mean")
+    return _issue(found)
+
+
+def lint_functions(gm: torch.fx.GraphModule, replaced: set[str]) -> list[str]:
+    """The warnings for the autograd.Functions of Dynamo's graph `gm` that still run (graphpass
+    replaced those called at the source lines `replaced`)."""
+    found = []
+    if _torch_api.dynamo_loses_gradients_of_written_function_outputs():
+        for node in gm.graph.find_nodes(op="call_function", target=_torch_api.autograd_function_apply()):
+            where = user_frame(node.meta.get("stack_trace") or "")[0]
+            if where not in replaced and _writes_into_what_it_returns(gm, node):
+                found.append(
+                    f"graphpass: the autograd.Function at {where} writes in place into a tensor it returns or into "
+                    f"its input: torch {torch.__version__}'s Dynamo loses gradients through it, with any backend; "
+                    "clone before writing, or use torch 2.13 or newer")
+    return _issue(found)
+
+
+def _issue(found: list[str]) -> list[str]:
+    """`found`, each message also warned once per process."""
     for message in found:
         if message not in _warned:
             _warned.add(message)
             warnings.warn(message, stacklevel=2)
             log.warning("%s", message)
     return found
+
+
+def _writes_into_what_it_returns(gm, node) -> bool:
+    """Whether the Function op `node`'s forward writes into its inputs or into an output the graph reads."""
+    forward = getattr(gm, node.args[0].target)
+    returned = forward.graph.output_node().args[0][0]
+    read = [returned[u.args[1]] for u in node.users if u.target is operator.getitem and isinstance(u.args[1], int)]
+    written = written_inputs(forward, [*forward.graph.find_nodes(op="placeholder"), *read])
+    return written is None or bool(written)
 
 
 def _is_differentiable_inplace_all_reduce(node) -> bool:

@@ -91,8 +91,8 @@ def _match(hop, stub):
         captured = capture(forward, vals)
     except CantCapture:
         return None
-    if (why := _torch_api.function_bodies_unread()) is not None:
-        return why if any(catalogue.normalises(n) for n in captured.gm.graph.nodes) else None
+    if hop.unread is not None:
+        return hop.unread if any(catalogue.normalises(n) for n in captured.gm.graph.nodes) else None
 
     def outputs():
         return list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]

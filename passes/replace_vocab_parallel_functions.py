@@ -607,8 +607,8 @@ def _match_function(hop, stub) -> VocabParallelMatch | _OutputLayerFunction | st
                         lambda m: not isinstance(m, str) or m == NOT_PARALLEL)
     if match == NOT_PARALLEL:
         return None  # one device: replace_hand_written_functions' business
-    if (why := _torch_api.function_bodies_unread()) is not None:
-        return f"vocab-parallel Function kept: {why}"
+    if hop.unread is not None:
+        return f"vocab-parallel Function kept: {hop.unread}"
     if isinstance(match, str):
         product = output_layer_inside(captured.gm)
         if product is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from bench import cp as bench_cp
+from graphpass.ops.groups import ALL_GATHER
 
 
 def test_bench_cp_quick_grid_measures_bytes_times_and_parity():
@@ -19,7 +20,7 @@ def test_bench_cp_quick_grid_measures_bytes_times_and_parity():
     R = measured[0]["R"]
     assert by["gspo", "slime", 2]["bytes_per_rank"] == 2 * 4 * R  # fwd + bwd zero-padded all-reduce, fp32
     assert by["gspo", "graphpass", 2]["collectives"] == ["all_reduce"]
-    assert by["ppo_logged", "graphpass", 2]["collectives"] == ["all_gather_single"]  # the unshard stays
+    assert by["ppo_logged", "graphpass", 2]["collectives"] == [ALL_GATHER]  # the unshard stays
     assert {r["cp"] for r in rows if not r["measured"]} == {8}
     accepted = bench_cp.acceptance(rows)
     assert len(accepted) == 2 * len(bench_cp.LOSSES) and all(e["passed"] for e in accepted), accepted

@@ -182,10 +182,14 @@ def test_function_mutating_its_input_runs_the_graph_unchanged():
 
     backend = graphpass.Backend(inner="aot_eager")
     outs, grad_logits, _ = _run(fn, backend)
-    ref_outs, ref_logits, _ = _run(fn, None)
+    # torch 2.11's Dynamo loses this Function's backward whatever the backend: there graphpass
+    # gives what torch's own compile gives, and warns.
+    lost = _torch_api.dynamo_loses_gradients_of_written_function_outputs()
+    ref_outs, ref_logits, _ = _run(fn, "eager" if lost else None)
     torch.testing.assert_close(outs[0], ref_outs[0])
     torch.testing.assert_close(grad_logits, ref_logits)
     assert "mutates its inputs" in backend.records[0].fallback_reason
+    assert any("Dynamo loses gradients" in w for w in backend.records[0].warnings) == lost
 
 
 def test_a_copy_within_one_device_names_no_device():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import graphpass
+from graphpass.ops.groups import ALL_GATHER
 from bench.workloads import cp_losses
 from bench.harness.ranks import RankFailed, collectives, run_ranks
 from graphpass import cp
@@ -128,7 +129,7 @@ def test_compiled_losses_reduce_locally_and_all_reduce_only_the_sums(world):
             # The bytes recorded are the bytes sent: num_sequences or 1 float64 values per level.
             assert sum(c[2] for c in colls) == sum(e[1][0][0][0] for e in r["forward"]) * 8, where
             eager = results[index]["eager"]
-            assert [e[0] for e in eager["forward"]] == ["all_gather_single"], where
+            assert [e[0] for e in eager["forward"]] == [ALL_GATHER], where
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -246,8 +247,8 @@ def test_cp_composes_with_the_vocab_parallel_op_at_tp2_cp2():
         if "compiled megatron" in out:  # the Function became the vocab-parallel op, the loss reduced locally
             r = out["compiled megatron"]
             assert r["cp"] == [True] and r["tp"] == [2], r
-            assert [e[0] for e in r["log"]] == ["all_gather_single", "all_reduce"], r["log"]
-        assert [e[0] for e in out["compiled"]["log"]] == ["all_gather_single", "all_reduce"], out["compiled"]["log"]
+            assert [e[0] for e in r["log"]] == [ALL_GATHER, "all_reduce"], r["log"]
+        assert [e[0] for e in out["compiled"]["log"]] == [ALL_GATHER, "all_reduce"], out["compiled"]["log"]
         assert "share ranks" in out["overlap error"] and "\n" not in out["overlap error"]
     logs = [out["compiled"]["log"] for out in per_rank]
     assert all(log == logs[0] for log in logs), logs

@@ -177,7 +177,7 @@ def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
     value, grads, issued = run(torch.compile(head_and_loss, backend=backend), requires_grad)
     with _megatron_on_the_cpu():
         eager_value, eager_grads, eager_issued = run(head_and_loss, requires_grad)
-        eager_function = layer(local.clone().requires_grad_())[0].grad_fn.name()
+        eager_function = type(layer(local.clone().requires_grad_())[0].grad_fn).__name__
     ref_value, ref_h, ref_w, ref_b = _reference(loss, data, with_bias, variant)
     shard = slice(rank * WIDTH, (rank + 1) * WIDTH)
     ref_grads = [ref_h[rows] if requires_grad else None, None if variant == "frozen" else ref_w[shard]]

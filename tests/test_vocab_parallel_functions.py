@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 import graphpass
+from graphpass import _torch_api
+from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
 from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
@@ -224,7 +226,7 @@ def _case(rank, world, code, kw, dtype):
                                                             ref_full.grad[:, rank * width:(rank + 1) * width]),
         sites=[(s.kind, s.tp_size, s.group, [(c.op, c.group_size, c.bytes) for c in s.collectives],
                 [o.keeps_grad for o in s.outputs]) for s in record.sites],
-        rejected=[c.reason for c in record.rejected], fallback=record.fallback_reason,
+        rejected=[c.reason for c in record.rejected], fallback=record.fallback_reason, warnings=record.warnings,
         forward_log=forward_log, backward_log=backward_log)
 
 
@@ -309,7 +311,7 @@ def test_one_all_gather_per_call_none_in_backward_same_on_every_rank(world):
         assert all(log == logs[0] for log in logs), (_case_id(case), logs)
         assert backward == [], (_case_id(case), backward)
         # A group of one: the op issues nothing (eager all-reduces over it).
-        assert {entry[0] for entry in forward} == ({"all_gather_single"} if world > 1 else set()), \
+        assert {entry[0] for entry in forward} == ({ALL_GATHER} if world > 1 else set()), \
             (_case_id(case), forward)
 
 
@@ -321,7 +323,11 @@ def test_a_function_with_different_math_stays_as_it_is(flaw):
         r = results[index]
         assert r["sites"] == [] and r["fallback"] is None, (flaw, rank, r)
         assert any("vocab-parallel Function kept" in reason for reason in r["rejected"]), (flaw, rank, r["rejected"])
-        assert r["value_vs_eager"] == 0.0 and r["grad_vs_eager"] <= 1e-12, (flaw, rank, r)
+        assert r["value_vs_eager"] == 0.0, (flaw, rank, r)
+        if _torch_api.dynamo_loses_gradients_of_written_function_outputs():  # it all-reduces its output in place
+            assert any("Dynamo loses gradients" in w for w in r["warnings"]), (flaw, rank, r)
+        else:
+            assert r["grad_vs_eager"] <= 1e-12, (flaw, rank, r)
 
 
 
@@ -342,7 +348,7 @@ def test_functional_all_reduce_code_becomes_the_op_with_its_gradient_summed_over
             assert [s[:2] for s in r["sites"]] == [("logprob", 2)], where
             assert [c[0] for c in r["sites"][0][3]] == ["all_gather", "all_reduce in backward"], where
             assert logs[rank] == logs[0], where
-            assert [e[0] for e in logs[rank][0]] == ["all_gather_single"], where
+            assert [e[0] for e in logs[rank][0]] == [ALL_GATHER], where
             assert [e[0] for e in logs[rank][1]] == ["all_reduce"], where
 
 

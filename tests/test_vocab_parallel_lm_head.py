@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphpass
+from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 from bench.workloads.tp_losses import megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
@@ -312,7 +313,7 @@ def test_the_site_says_lm_head_and_issues_todays_collectives_on_every_rank(index
             assert fused_rejections == [], where
         forward, backward = r["log"]
         assert r["log"] == r["today_log"], where
-        assert [entry[0] for entry in forward] == ["all_gather_single"], where
+        assert [entry[0] for entry in forward] == [ALL_GATHER], where
         assert [entry[0] for entry in backward] == (["all_reduce"] if code == "funcol" else []), where
         assert r["log"] == per_rank[0]["cases"][index]["log"], where
 
@@ -329,7 +330,7 @@ def test_a_group_of_one_rank_fuses_and_issues_no_collective():
 def test_ranks_differing_in_grad_mode_issue_the_same_collectives():
     per_rank = _spawned()
     logs = [result["differing"][0] for result in per_rank]
-    assert all(log == logs[0] for log in logs) and [e[0] for e in logs[0]] == ["all_gather_single"], logs
+    assert all(log == logs[0] for log in logs) and [e[0] for e in logs[0]] == [ALL_GATHER], logs
     for result in per_rank:
         _, err, fused = result["differing"]
         assert err < 1e-5 and fused == [True], (err, fused)

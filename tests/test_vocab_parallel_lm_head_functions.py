@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 import graphpass
+from graphpass import _torch_api
+from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
 
@@ -144,7 +146,7 @@ def _case(rank, world, layout, flaw, dtype):
         grads_vs_ref=max(_err(h.grad, ref_h.grad[mine]), _err(w.grad, ref_w.grad[cols])),
         eager_grads_vs_ref=max(_err(eager_h.grad, ref_h.grad[mine]), _err(eager_w.grad, ref_w.grad[cols])),
         sites=[(s.kind, s.tp_size, s.lm_head) for s in record.sites],
-        rejected=[r.reason for r in record.rejected], fallback=record.fallback_reason,
+        rejected=[r.reason for r in record.rejected], fallback=record.fallback_reason, warnings=record.warnings,
         forward_log=forward_log, backward_log=backward_log)
 
 
@@ -196,7 +198,11 @@ def test_a_function_that_differs_stays_as_it_is(flaw):
         r = results[index]
         assert r["sites"] == [] and r["fallback"] is None, (flaw, rank, r)
         assert any(KEPT_BECAUSE[flaw] in reason for reason in r["rejected"]), (flaw, rank, r["rejected"])
-        assert r["value_vs_eager"] == 0.0 and r["grads_vs_eager"] == 0.0, (flaw, rank, r)
+        assert r["value_vs_eager"] == 0.0, (flaw, rank, r)
+        if _torch_api.dynamo_loses_gradients_of_written_function_outputs():  # it all-reduces its output in place
+            assert any("Dynamo loses gradients" in w for w in r["warnings"]), (flaw, rank, r)
+        else:
+            assert r["grads_vs_eager"] == 0.0, (flaw, rank, r)
 
 
 def _differing_ranks(rank, world):
@@ -222,6 +228,6 @@ def _differing_ranks(rank, world):
 def test_ranks_differing_in_grad_mode_issue_the_same_collectives():
     per_rank = run_ranks(_differing_ranks, 2, timeout_s=240)
     logs = [log for log, _, _ in per_rank]
-    assert all(log == logs[0] for log in logs) and [c[0] for c in logs[0]] == ["all_gather_single"], logs
+    assert all(log == logs[0] for log in logs) and [c[0] for c in logs[0]] == [ALL_GATHER], logs
     for _, err, sites in per_rank:
         assert err < 1e-5 and sites == [("logprob", True)], (err, sites)

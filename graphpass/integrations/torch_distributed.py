@@ -7,6 +7,7 @@ hand-written `autograd.Function` whose backward reduce-scatters a list (NeMo-RL'
 `ChunkedDistributedHiddenStatesToLogprobs` under sequence parallelism) then cannot be traced at
 all: Dynamo runs the whole Function outside the graph, where graphpass cannot read it.
 
+torch 2.14 traces it itself (for any reduce op), and there nothing is registered. On 2.11-2.13
 `register()` gives Dynamo a stand-in with the same effect: the list concatenated along dim 0,
 reduce-scattered as one functional collective, the result copied into `output`. It covers a
 synchronous SUM over blocks of `output`'s shape (what a Function's backward issues); anything else
@@ -26,23 +27,35 @@ from graphpass import _torch_api
 
 log = logging.getLogger("graphpass")
 
-_registered: list = []  # the function registered for, once registered
+_registered: list = []  # the function registered for, once registered (`registered()`)
+
+
+def registered() -> bool:
+    """Whether Dynamo traces graphpass's stand-in (not torch's own remap) for the list-form reduce-scatter."""
+    return bool(_registered)
 
 
 def register() -> bool:
-    """Register the stand-in with Dynamo (idempotent); False where torch has no distributed package."""
+    """Register the stand-in with Dynamo (idempotent); False where torch has no distributed package
+    or traces the list-form reduce-scatter itself."""
     if _registered:
         return True
-    if not dist.is_available():
+    if not dist.is_available() or _torch_api.traces_list_reduce_scatter():
         return False
     try:
+        # Arguments taken as *args: torch 2.11's Dynamo cannot hold the default `op` (a ReduceOp
+        # member) as a constant; a wildcard signature is the one substitute_in_graph also accepts.
         @torch.compiler.substitute_in_graph(dist.reduce_scatter)
-        def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            if async_op or op != dist.ReduceOp.SUM or any(t.shape != output.shape for t in input_list):
+        def reduce_scatter(*args, **kwargs):
+            bound = dict(zip(("output", "input_list", "op", "group", "async_op"), args), **kwargs)
+            output, input_list, group = bound["output"], bound["input_list"], bound.get("group")
+            op = bound.get("op")
+            if bound.get("async_op") or (op is not None and op != dist.ReduceOp.SUM) or \
+                    any(t.shape != output.shape for t in input_list):
                 _torch_api.graph_break("graphpass traces torch.distributed.reduce_scatter only as a synchronous "
                                        "SUM of blocks of the output's shape")
             whole = torch.cat([t.to(output.dtype) for t in input_list])
-            output.copy_(_torch_api.functional_reduce_scatter(whole, dist.group.WORLD if group is None else group))
+            _torch_api.functional_reduce_scatter_into(output, whole, group)
     except ValueError as error:  # another polyfill for the same function (torch refuses a second)
         log.warning("graphpass: torch.distributed.reduce_scatter keeps its graph break: %s", error)
         return False

@@ -28,8 +28,10 @@ def rank_and_size(name: str):
     return group, group.rank(), group.size()
 
 
+#: The name of the collective `all_gather` issues on this torch (what a log of the eager calls shows).
+ALL_GATHER = _torch_api.all_gather_into_tensor().__name__
+
+
 def all_gather(output, tensor, group) -> None:
-    """Gather every rank's `tensor` into `output` ([size * n, ...]): `all_gather_single` where torch
-    has it (2.13 deprecates `all_gather_into_tensor` in its favour), else `all_gather_into_tensor`."""
-    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    """Gather every rank's `tensor` into `output` ([size * n, ...])."""
+    _torch_api.all_gather_into_tensor()(output, tensor, group=group)

@@ -1,8 +1,10 @@
 """torch.distributed's list-form `reduce_scatter` traced by Dynamo (`graphpass.integrations.torch_distributed`).
 
 On 2 gloo ranks: a synchronous SUM of equal blocks compiles without a graph break (fullgraph)
-and gives eager's values; another op (MAX) breaks the graph (fullgraph raises) and still gives
-eager's values; eager calls run torch's own function (they are logged as `reduce_scatter`).
+and gives eager's values; eager calls run torch's own function (they are logged as
+`reduce_scatter`). Where graphpass's stand-in runs (torch 2.11-2.13), another op (MAX) breaks the
+graph (fullgraph raises) and still gives eager's values; from torch 2.14 on, torch traces the list
+form itself, for any op, and no stand-in is registered.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch.distributed as dist
 
 import graphpass  # noqa: F401 - registers the stand-in
 from bench.harness.ranks import collectives
+from graphpass import _torch_api
+from graphpass.integrations import torch_distributed
 import spawned  # tests/ is on sys.path
 
 
@@ -43,11 +47,18 @@ def _ranks(rank, world):
     maximum = torch.compile(_max, backend="aot_eager")(x.unbind())
     with collectives() as eager_log:
         _scatter(x.unbind())
-    return dict(same=torch.equal(compiled, eager), max_broke=max_broke, max_same=torch.equal(maximum, _max(x.unbind())),
+    return dict(stand_in=torch_distributed.registered(), torch_traces=_torch_api.traces_list_reduce_scatter(),
+                same=torch.equal(compiled, eager), max_broke=max_broke, max_same=torch.equal(maximum, _max(x.unbind())),
                 compiled_log=[c[0] for c in compiled_log], eager_log=[c[0] for c in eager_log])
 
 
 _SPAWN = spawned.once(_ranks, 2, 120)
+
+
+def test_the_stand_in_is_registered_only_where_torch_does_not_trace_it():
+    for rank, r in enumerate(_SPAWN()):
+        assert r["stand_in"] != r["torch_traces"], (rank, r)
+    assert torch_distributed.registered() == (not _torch_api.traces_list_reduce_scatter())
 
 
 def test_list_reduce_scatter_compiles_whole_with_eager_values():
@@ -56,6 +67,6 @@ def test_list_reduce_scatter_compiles_whole_with_eager_values():
         assert r["compiled_log"] == [] and r["eager_log"] == ["reduce_scatter"], (rank, r)
 
 
-def test_another_op_breaks_the_graph_and_runs_as_torch_does():
+def test_another_op_runs_as_torch_does_and_breaks_the_graph_where_the_stand_in_runs():
     for rank, r in enumerate(_SPAWN()):
-        assert r["max_broke"] and r["max_same"], (rank, r)
+        assert r["max_same"] and r["max_broke"] == r["stand_in"], (rank, r)

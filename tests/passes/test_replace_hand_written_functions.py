@@ -12,6 +12,8 @@ themselves (read at their logits: `hidden @ W.T`, then the plain math, the lm_he
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -294,29 +296,81 @@ def test_a_function_that_is_no_log_prob_is_none_of_its_business():
     assert len(record.sites) == 1, record
 
 
-def test_a_torch_whose_function_bodies_are_not_read_keeps_the_function_with_the_reason(monkeypatch):
-    """torch 2.11's Dynamo returns a Function's intermediate values with its outputs
-    (`_torch_api.function_bodies_unread`): the Function runs as written, the reason recorded."""
-    from graphpass import _torch_api
+def _as_torch_2_11_records_it(gm, read_an_intermediate=False):
+    """Dynamo's graph of a Function as torch 2.11's Dynamo records it (on 2.11: as it is): every
+    tensor the forward body computes after its outputs, a gradient named `unused_<k>` for each in
+    the backward body (`_torch_api.drop_function_intermediates`); with `read_an_intermediate`, the
+    graph also reads one of them (which 2.11 never does: its outputs could not be told)."""
+    apply = torch.ops.higher_order.autograd_function_apply
+    for node in list(gm.graph.find_nodes(op="call_function", target=apply)):
+        forward, backward = getattr(gm, node.args[0].target), getattr(gm, node.args[1].target)
+        output = forward.graph.output_node()
+        returned, saved = output.args[0]
+        grads = list(backward.graph.find_nodes(op="placeholder"))[:len(returned)]
+        if not any(g.name.startswith("unused_") for g in grads):
+            extra = [n for n in forward.graph.nodes if n.op == "call_function" and n not in returned
+                     and isinstance(n.meta.get("example_value"), torch.Tensor)]
+            output.args = ((*returned, *extra), saved),
+            forward.recompile()
+            with backward.graph.inserting_after(grads[-1]):
+                for k in reversed(range(len(extra))):
+                    backward.graph.placeholder(f"unused_{k}")
+            backward.recompile()
+            node.meta["example_value"] = (*node.meta["example_value"], *(n.meta["example_value"] for n in extra))
+            returned = output.args[0][0]
+        if read_an_intermediate:
+            unused = next(i for i, g in enumerate(backward.graph.find_nodes(op="placeholder"))
+                          if g.name.startswith("unused_"))
+            with gm.graph.inserting_after(node):
+                item = gm.graph.call_function(operator.getitem, (node, unused))
+            item.meta["example_value"] = returned[unused].meta["example_value"]
+            loss = gm.graph.output_node().args[0][0]
+            with gm.graph.inserting_before(gm.graph.output_node()):
+                total = gm.graph.call_function(torch.add, (loss, gm.graph.call_method("sum", (item,))))
+            gm.graph.output_node().args = ((total,),)
+    gm.recompile()
+    return gm
 
-    monkeypatch.setattr(_torch_api, "function_bodies_unread", lambda: "graphpass reads a Function's math from 2.13 on")
+
+@pytest.mark.parametrize("read_an_intermediate", [False, True])
+def test_a_function_as_torch_2_11_records_it_is_read_as_torch_2_13s(read_an_intermediate):
+    """torch 2.11's Dynamo returns a Function's intermediate values among its outputs: the Function
+    is read as on 2.13 (the same site, eager's values and gradients); where the graph reads one of those
+    values, its outputs cannot be told, and it runs as written with the reason recorded."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, V, generator=g, dtype=torch.float64)
     target = torch.randint(0, V, (T,), generator=g)
 
-    def fn(logits):
+    def fn(logits, target):
         logprob, entropy = _SlimeStyle.apply(logits, target, 0.7, True)
         return (logprob * torch.arange(T)).sum() + entropy.sum()
 
+    graphpass_backend = graphpass.Backend(inner="aot_eager")
+    seen = []
+
+    def backend(gm, example_inputs):
+        gm = _as_torch_2_11_records_it(gm, read_an_intermediate)
+        seen.append(gm)
+        return graphpass_backend(gm, example_inputs)
+
     eager_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    eager = fn(eager_x)
-    eager.backward()
-    value, record = _compile(fn, x)
+    value = torch.compile(fn, backend=backend)(x, target)
     value.backward()
-    assert record.sites == [] and ["autograd.Function kept: graphpass reads a Function's math from 2.13 on"] == \
-        [r.reason for r in record.rejected], record
-    torch.testing.assert_close(value, eager, rtol=0, atol=0)
-    torch.testing.assert_close(x.grad, eager_x.grad, rtol=0, atol=0)
+    record = graphpass_backend.records[-1]
+    if read_an_intermediate:  # eager here: the same graph, run as written
+        eager = torch.fx.Interpreter(seen[-1]).run(eager_x, target)[0]
+        assert record.sites == [] and [r.reason for r in record.rejected] == [
+            "autograd.Function kept: Dynamo returns values that are not the Function's outputs with them, "
+            "and the graph reads a value Dynamo marks unused"], record
+    else:
+        eager = fn(eager_x, target)
+        _, as_2_13_records_it = _compile(fn, x.detach(), target)
+        assert len(record.sites) == 1 and not record.rejected, record
+        assert [s.kind for s in record.sites] == [s.kind for s in as_2_13_records_it.sites], record
+    eager.backward()
+    tolerance = {} if read_an_intermediate else {"rtol": 1e-6, "atol": 1e-6}  # the Function's math is fp32
+    torch.testing.assert_close(value, eager, **tolerance)
+    torch.testing.assert_close(x.grad, eager_x.grad, **tolerance)
 
 
 # ---- Functions that loop over chunks of rows -----------------------------------------------------
