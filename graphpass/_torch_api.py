@@ -489,9 +489,15 @@ def graph_break(msg: str) -> None:
 def functional_all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Every rank's `x` concatenated along dim 0, as a traceable functional collective (its backward
     a reduce-scatter)."""
+    return _functional_collective("all_gather_single", "all_gather_tensor")(x, 0, group_name)
+
+
+def _functional_collective(name: str, before_2_13: str):
+    """The functional collective `name`; torch 2.11 and 2.12 have it as `before_2_13` only (which 2.13
+    deprecates in its favour)."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.all_gather_single(x, 0, group_name)
+    return getattr(funcol, name, None) or getattr(funcol, before_2_13)
 
 
 def traces_list_reduce_scatter() -> bool:
@@ -507,9 +513,7 @@ def traces_list_reduce_scatter() -> bool:
 def functional_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of dim 0 of the sum of every rank's `x`, as a traceable functional collective
     (`group`: a process group or its name)."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.reduce_scatter_single(x, "sum", 0, group)
+    return _functional_collective("reduce_scatter_single", "reduce_scatter_tensor")(x, "sum", 0, group)
 
 
 def functional_reduce_scatter_into(output: torch.Tensor, x: torch.Tensor, group) -> None:

@@ -324,10 +324,10 @@ def test_a_function_with_different_math_stays_as_it_is(flaw):
         assert r["sites"] == [] and r["fallback"] is None, (flaw, rank, r)
         assert any("vocab-parallel Function kept" in reason for reason in r["rejected"]), (flaw, rank, r["rejected"])
         assert r["value_vs_eager"] == 0.0, (flaw, rank, r)
-        if _torch_api.dynamo_loses_gradients_of_written_function_outputs():  # it all-reduces its output in place
-            assert any("Dynamo loses gradients" in w for w in r["warnings"]), (flaw, rank, r)
-        else:
-            assert r["grad_vs_eager"] <= 1e-12, (flaw, rank, r)
+        # torch 2.11's Dynamo loses the gradient of a Function that all-reduces its output in place:
+        # there graphpass gives what torch's compile gives, and warns.
+        assert r["grad_vs_eager"] <= 1e-12 or (_torch_api.dynamo_loses_gradients_of_written_function_outputs()
+            and any("Dynamo loses gradients" in w for w in r["warnings"])), (flaw, rank, r)
 
 
 

@@ -1,0 +1,168 @@
+"""The torch versions users pin, checked: `python -m bench.compat`.
+
+For each environment below (torch 2.11.0, 2.14.1 and 2.15.0 on Python 3.11; Python 3.12 with
+megatron-core 0.19), a virtual environment in a cache outside the checkout
+(`$GRAPHPASS_COMPAT_CACHE`, else `~/.cache/graphpass/compat`), built once per machine and rebuilt
+when missing or when its specification changed, gets this checkout installed (editable, no
+dependencies) and runs the compatibility subset: capture, every pass, TRL, megatron-core's and
+slime's tensor-parallel Functions at 1 and 2 ranks with ranks differing in grad mode, the torch
+stand-ins and the README's demo. torch 2.13.0 on Python 3.11 runs the whole suite (`.ci/run`).
+
+Prints one row per environment; `--out FILE` also writes them as JSON. Exits non-zero when an
+environment could not be built or one of its tests failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: What each environment runs: the paths every torch version must keep working.
+SUBSET = [
+    "tests/test_capture.py",
+    "tests/passes",
+    "tests/integrations",
+    "tests/test_vocab_parallel_functions.py",
+    "tests/test_examples.py",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    name: str
+    python: str  # "3.11" or "3.12"
+    packages: tuple[str, ...]  # installed first, with the checkout's `test` extra after them
+    tests: tuple[str, ...] = tuple(SUBSET)
+
+
+ENVIRONMENTS = [
+    Environment("torch 2.11.0", "3.11", ("torch==2.11.0",)),  # verl 0.9.1, slime, NeMo-RL
+    Environment("torch 2.14.1", "3.11", ("torch==2.14.1",)),  # vllm 0.33, sglang 0.5.23
+    Environment("torch 2.15.0", "3.11", ("torch==2.15.0",)),  # the newest release
+    # megatron-core >= 0.17 requires Python 3.12: its own loss and output layer code.
+    Environment("python 3.12, megatron-core 0.19", "3.12", ("torch==2.13.0", "megatron-core>=0.19,<0.20"),
+                tuple(SUBSET) + ("tests/test_megatron_output_layer.py",)),
+]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRAPHPASS_COMPAT_CACHE") or Path.home() / ".cache" / "graphpass" / "compat")
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of `version` ("3.12"): this one, `python3.12` on PATH, or pyenv's."""
+    if f"{sys.version_info.major}.{sys.version_info.minor}" == version:
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    if found:
+        return found
+    candidates = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")))
+    return candidates[-1] if candidates else None
+
+
+def _test_extra() -> list[str]:
+    """The checkout's `test` extra: an environment built for another is rebuilt."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]["test"]
+
+
+def _pip_environment() -> dict:
+    # A machine-wide pip constraint may cap torch below the version an environment asks for;
+    # each environment pins its own torch.
+    return dict(os.environ, PIP_CONSTRAINT=os.devnull)
+
+
+def ensure(env: Environment) -> tuple[Path, str | None]:
+    """(the environment's interpreter, None) once built; (…, why not) when it cannot be."""
+    folder = cache_dir() / re.sub(r"[^A-Za-z0-9.]+", "-", env.name)
+    python = folder / "bin" / "python"
+    spec = json.dumps({"python": env.python, "packages": list(env.packages), "test": _test_extra()})
+    marker = folder / "graphpass-compat.json"
+    if python.exists() and marker.exists() and marker.read_text() == spec:
+        return python, None
+    interpreter = find_python(env.python)
+    if interpreter is None:
+        return python, f"no Python {env.python} on this machine"
+    shutil.rmtree(folder, ignore_errors=True)
+    steps = [[interpreter, "-m", "venv", str(folder)],
+             [str(python), "-m", "pip", "install", "-q", *env.packages],
+             # the test extra's other dependencies; the pinned packages above stay as they are
+             [str(python), "-m", "pip", "install", "-q", *env.packages, "-e", f"{ROOT}[test]"]]
+    for step in steps:
+        done = subprocess.run(step, env=_pip_environment(), capture_output=True, text=True)
+        if done.returncode != 0:
+            return python, f"could not build it: {' '.join(step[2:5])}: {_last_line(done.stderr)}"
+    marker.write_text(spec)
+    return python, None
+
+
+def run(env: Environment, workers: str) -> dict:
+    """Build (or reuse) `env`, install this checkout into it, run its tests: one result row."""
+    start = time.monotonic()
+    python, why = ensure(env)
+    row = dict(environment=env.name, torch=None, python=env.python, passed=0, failed=0, skipped=0, ok=False,
+               seconds=None, note=why)
+    if why is not None:
+        return row
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+                             env=_pip_environment(), capture_output=True, text=True)
+    if install.returncode != 0:
+        return dict(row, note=f"could not install graphpass: {_last_line(install.stderr)}")
+    version = subprocess.run([str(python), "-c", "import torch, sys; print(torch.__version__, sys.version.split()[0])"],
+                             capture_output=True, text=True, cwd=ROOT)
+    row["torch"], row["python"] = (version.stdout.split() + [None, None])[:2]
+    tests = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:logging", "-n", workers, *env.tests],
+                           capture_output=True, text=True, cwd=ROOT)
+    counts = _counts(tests.stdout)
+    row.update(counts, seconds=round(time.monotonic() - start), ok=tests.returncode == 0 and counts["passed"] > 0)
+    if not row["ok"]:
+        failures = [line for line in tests.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        row["note"] = "; ".join(failures[:5]) or _last_line(tests.stdout + tests.stderr)
+    return row
+
+
+def _counts(output: str) -> dict:
+    summary = output.strip().splitlines()[-1] if output.strip() else ""
+    return {key: int(m.group(1)) if (m := re.search(rf"(\d+) {key}", summary)) else 0
+            for key in ("passed", "failed", "skipped")}
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compat", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="environments whose name contains one of these")
+    parser.add_argument("--workers", default="auto", help="pytest-xdist workers per environment (default: auto)")
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    chosen = [e for e in ENVIRONMENTS if not args.only or any(o in e.name for o in args.only)]
+    rows = []
+    for env in chosen:
+        print(f"bench.compat: {env.name} ...", flush=True)
+        rows.append(run(env, args.workers))
+        print(tabulate([rows[-1]], headers="keys"), flush=True)
+    print(tabulate(rows, headers="keys"))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), rows=rows), indent=1) + "\n")
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
