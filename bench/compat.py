@@ -87,26 +87,29 @@ def _pip_environment() -> dict:
 
 
 def ensure(env: Environment) -> tuple[Path, str | None]:
-    """(the environment's interpreter, None) once built; (…, why not) when it cannot be."""
+    """(the environment's interpreter, None) once built; (…, why not) when it cannot be. Built anew
+    when missing or when its Python or pinned packages changed; brought up to date in place when
+    only the checkout's test extra changed."""
     folder = cache_dir() / re.sub(r"[^A-Za-z0-9.]+", "-", env.name)
     python = folder / "bin" / "python"
-    spec = json.dumps({"python": env.python, "packages": list(env.packages), "test": _test_extra()})
     marker = folder / "graphpass-compat.json"
-    if python.exists() and marker.exists() and marker.read_text() == spec:
+    pins = {"python": env.python, "packages": list(env.packages)}
+    spec = dict(pins, test=_test_extra())
+    built = json.loads(marker.read_text()) if python.exists() and marker.exists() else None
+    if built == spec:
         return python, None
-    interpreter = find_python(env.python)
-    if interpreter is None:
-        return python, f"no Python {env.python} on this machine"
-    shutil.rmtree(folder, ignore_errors=True)
-    steps = [[interpreter, "-m", "venv", str(folder)],
-             [str(python), "-m", "pip", "install", "-q", *env.packages],
-             # the test extra's other dependencies; the pinned packages above stay as they are
-             [str(python), "-m", "pip", "install", "-q", *env.packages, "-e", f"{ROOT}[test]"]]
+    steps = [[str(python), "-m", "pip", "install", "-q", *env.packages, "-e", f"{ROOT}[test]"]]
+    if built is None or {k: built.get(k) for k in pins} != pins:
+        interpreter = find_python(env.python)
+        if interpreter is None:
+            return python, f"no Python {env.python} on this machine"
+        shutil.rmtree(folder, ignore_errors=True)
+        steps[:0] = [[interpreter, "-m", "venv", str(folder)], [str(python), "-m", "pip", "install", "-q", *env.packages]]
     for step in steps:
         done = subprocess.run(step, env=_pip_environment(), capture_output=True, text=True)
         if done.returncode != 0:
             return python, f"could not build it: {' '.join(step[2:5])}: {_last_line(done.stderr)}"
-    marker.write_text(spec)
+    marker.write_text(json.dumps(spec))
     return python, None
 
 
