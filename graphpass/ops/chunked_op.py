@@ -234,7 +234,8 @@ class RegionProgram:
         outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=wide.device) for spec in self.outputs]
         outs += self.empty_saved(wide)
         if rows:
-            kernel = self._get_forward_kernel()  # first: compiling it tells its temporaries
+            # First: compiling it (for the chunk's rows as far as known) tells its temporaries.
+            kernel = self._get_forward_kernel(self._chunk_rows(tensors, rows, vocab, backward=False))
             chunk = self._chunk_rows(tensors, rows, vocab, backward=False)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
@@ -259,20 +260,21 @@ class RegionProgram:
             devices.check(~bad.any(), describe, f"graphpass: a token id is outside the vocabulary [0, {vocab}); "
                                                 "check the targets/labels passed to the loss")
 
-    def _get_forward_kernel(self):
+    def _get_forward_kernel(self, rows: int | None = None):
         if self._forward_kernel is None:
-            self._forward_kernel = self._compile(self.split.forward)
+            self._forward_kernel = self._compile(self.split.forward, rows=rows)
         return self._forward_kernel
 
-    def _compile(self, graph_module, measure: bool = True, fallback=None):
+    def _compile(self, graph_module, measure: bool = True, fallback=None, rows: int | None = None):
         """The inner compiler's kernel; with `measure`, compiled at once to learn its temporaries
         (`kernel_temporary_bytes`): a kernel over vocabulary tiles is not (its width is the tile's).
+        `rows`: the rows of the chunks it will run, where known (`_torch_api.compile_kernel`).
         Where the compiler fails, `fallback()` gives the kernel instead (else the graph runs uncompiled)."""
         # Regenerate the module's code now, at run time: code generated while Dynamo was
         # compiling the user's graph is on Dynamo's skip list and would not compile.
         graph_module.recompile()
         width = next((spec.width for spec in self.inputs if spec.role == WIDE), None) if measure else None
-        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback)
+        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback, rows=rows)
 
     def _backward_in_two(self, active, wanted):
         """The backward kernel as two compiled kernels (`JointSplit.backward_in_two`), one callable
@@ -306,7 +308,9 @@ class RegionProgram:
         if rows:
             row_seeds = [self._row_seed(self.outputs[j], seed, rows, device) for j, seed in zip(reduced, seeds)]
             # Without gradients to compute (no input needs one) the forward kernel alone.
-            kernel = self._get_gradient_kernel("fused", reduced, wanted) if wanted else self._get_forward_kernel()
+            hint = self._chunk_rows(tensors, rows, vocab, backward=True)
+            kernel = (self._get_gradient_kernel("fused", reduced, wanted, hint) if wanted
+                      else self._get_forward_kernel(hint))
             chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
             sinks, sums = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
             n = len(self.outputs)
@@ -358,7 +362,8 @@ class RegionProgram:
             return grads
         rows, vocab, blocks = self._layout(tensors)
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
-        kernel = self._get_gradient_kernel("backward", active, wanted)  # first: it tells its temporaries
+        # First: compiling it (for the chunk's rows as far as known) tells its temporaries.
+        kernel = self._get_gradient_kernel("backward", active, wanted, self._chunk_rows(tensors, rows, vocab, True))
         chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
         row_values = [*saved, *flat_grad_outputs]
         sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk,
@@ -424,12 +429,13 @@ class RegionProgram:
         `_gradient_destinations`)."""
         return _GradBuffer(i, tensors[i], rows)
 
-    def _get_gradient_kernel(self, kind: str, active, wanted):
+    def _get_gradient_kernel(self, kind: str, active, wanted, rows: int | None = None):
         key = (kind, active, wanted)
         if key not in self._gradient_kernels:
             graph = self._traced.pop(key, None) or getattr(self.split, kind)(active, wanted)
             fallback = (lambda: self._backward_in_two(active, wanted)) if kind == "backward" else None
-            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile", fallback=fallback)
+            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile", fallback=fallback,
+                                                        rows=rows)
         return self._gradient_kernels[key]
 
     def prepare_gradients_in_forward(self, needs_grad) -> None:
