@@ -270,6 +270,26 @@ def trace_decomposed(fn, args) -> torch.fx.GraphModule:
     return make_fx(fn, decomposition_table=table)(*args)
 
 
+def with_example_values(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a per-chunk graph whose every node has its example value (`meta["val"]`), rows
+    symbolic: propagated on fakes shaped as its placeholders' values (rewrites such as the peephole's
+    add nodes without one)."""
+    import copy
+
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    copied = copy.deepcopy(gm)
+    fake_mode, rows = symbolic_rows_mode()
+    with fake_mode:
+        fakes = []
+        for node in copied.graph.find_nodes(op="placeholder"):
+            val = node.meta["val"]
+            shape = [s if isinstance(s, int) else rows for s in val.shape]
+            fakes.append(torch.empty(shape, dtype=val.dtype, device=val.device))
+    FakeTensorProp(copied, fake_mode).propagate_dont_convert_inputs(*fakes)
+    return copied
+
+
 def check_no_guards_on(fake_mode, size) -> None:
     """Raise if tracing specialised on a symbolic `size` (the kernel would be wrong for others)."""
     symbol = size.node.expr

@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 
 import torch
 
-from graphpass import _torch_api
+from graphpass import _torch_api, kernels
 from graphpass.analysis.layouts import Role
 from graphpass.ops import chunk_sizes, devices, head_matmul
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import ArgSpec, JointSplit
+
+log = logging.getLogger("graphpass")
 
 # How an input lies over the region's rows (`graphpass.analysis.layouts`): WIDE inputs are read through
 # views chunk by chunk, ROW inputs (narrow) flattened to [R, w], BCAST reshaped to [1, w], SCALAR
@@ -64,7 +67,7 @@ class RegionProgram:
     """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
 
     def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner, device,
-                 index_checks=(), gradient_free=(), frozen_heads=()):
+                 index_checks=(), gradient_free=(), frozen_heads=(), generated_kernels=True):
         self.graph_module = graph_module
         self.device = torch.device(device)  # the kernels are traced and compiled for this device
         self.inputs: list[InputSpec] = list(inputs)
@@ -72,6 +75,10 @@ class RegionProgram:
         self.chunk_size = chunk_size
         self.chunk_budget_bytes = chunk_budget_bytes
         self.inner = inner
+        self.generated_kernels = generated_kernels  # `Config.generated_kernels`
+        # kernel kind -> why graphpass runs the inner compiler's kernel for it, not one it generated
+        # (`graphpass.kernels`); absent where the generated one runs, or none was asked for.
+        self.kernel_notes: dict[str, str] = {}
         self.index_checks = tuple(index_checks)  # (input position, ignore_index or None): token ids
         # Inputs the program reads only under no_grad (a teacher's logits): they get no gradient.
         self.gradient_free = tuple(gradient_free)
@@ -101,7 +108,7 @@ class RegionProgram:
         """Everything that makes this program compute what it computes (its key hashes it)."""
         return (OPS_FORMAT, self.graph_module.code, self.inputs, self.outputs,
                 self.chunk_size, self.chunk_budget_bytes, self.inner, str(self.device), self.index_checks,
-                self.gradient_free, self.frozen_heads)
+                self.gradient_free, self.frozen_heads, self.generated_kernels)
 
     @property
     def total_positions(self) -> tuple[int, ...]:
@@ -262,7 +269,8 @@ class RegionProgram:
 
     def _get_forward_kernel(self, rows: int | None = None):
         if self._forward_kernel is None:
-            self._forward_kernel = self._compile(self.split.forward, rows=rows)
+            self._forward_kernel = self._generated("forward", self.split.forward) \
+                or self._compile(self.split.forward, rows=rows)
         return self._forward_kernel
 
     def _compile(self, graph_module, measure: bool = True, fallback=None, rows: int | None = None):
@@ -275,6 +283,22 @@ class RegionProgram:
         graph_module.recompile()
         width = next((spec.width for spec in self.inputs if spec.role == WIDE), None) if measure else None
         return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback, rows=rows)
+
+    def _generated(self, kind: str, graph_module):
+        """The kernel `graphpass.kernels` generates for `graph_module` (a `kind` of kernel), or None,
+        the reason in `kernel_notes`."""
+        reason = kernels.unavailable(self.device, self.generated_kernels)
+        if reason is None:
+            try:
+                kernel = kernels.generate(graph_module, kind)
+                kernel.temporary_bytes = 0  # it allocates nothing but its outputs
+                return kernel
+            except kernels.NotGenerated as e:
+                reason = str(e)
+                log.info("graphpass: the %s kernel of region program %s is compiled by %s, not "
+                                    "generated: %s", kind, self.key, self.inner, reason)
+        self.kernel_notes[kind] = reason
+        return None
 
     def _backward_in_two(self, active, wanted):
         """The backward kernel as two compiled kernels (`JointSplit.backward_in_two`), one callable
@@ -434,8 +458,8 @@ class RegionProgram:
         if key not in self._gradient_kernels:
             graph = self._traced.pop(key, None) or getattr(self.split, kind)(active, wanted)
             fallback = (lambda: self._backward_in_two(active, wanted)) if kind == "backward" else None
-            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile", fallback=fallback,
-                                                        rows=rows)
+            self._gradient_kernels[key] = self._generated(kind, graph) or self._compile(
+                graph, measure=kind != "column_tile", fallback=fallback, rows=rows)
         return self._gradient_kernels[key]
 
     def prepare_gradients_in_forward(self, needs_grad) -> None:

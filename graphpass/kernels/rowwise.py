@@ -1,0 +1,616 @@
+"""Triton kernels generated from the per-chunk graphs of a `JointSplit` (`graphpass.ops.joint`).
+
+Two templates, one per graph kind:
+
+- **K1, the forward** (`forward`: args -> outputs and saved row statistics). One program per `BM`
+  rows loops over the row in blocks of `BV` columns, reading each element once. Its reductions
+  over the row are kept as running state: a max (and whether a NaN was seen, which makes the
+  max NaN as `amax` does); plain sums and picks (a `gather` of one column per row, as a sum of
+  `where(column == index, value, 0)`); and *online* sums `sum(exp(a - max(a)) * (c0 + c1 (a -
+  max(a))))` (`c0`, `c1` free of reductions: the log-sum-exp's and the entropy's sums, as
+  `row_sums` leaves them), kept about the running max and rescaled when it moves. The row's tail
+  (log, products of row values) runs after the loop and writes the outputs.
+- **K2, the backward** (`backward`: args, saved, output gradients, out slices -> ()). Column-wise
+  math over row values: a 2-D grid of `[BM, BV]` tiles, each loading its row values once and
+  writing its tile of the gradient.
+
+A graph either template cannot express raises `NotGenerated` with the reason, and the caller
+runs the inductor kernel instead for that graph alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import tempfile
+
+import torch
+import torch.fx
+
+from graphpass import _torch_api
+from graphpass.kernels import emit
+from graphpass.kernels.emit import NotGenerated
+
+aten = torch.ops.aten
+
+WIDE, ROW, COL, SCALAR, CONST = "wide", "row", "col", "scalar", "const"
+_AMAX, _SUM, _MEAN, _PICK = aten.amax.default, aten.sum.dim_IntList, aten.mean.dim, aten.gather.default
+_REDUCTIONS = {_AMAX, _SUM, _MEAN, _PICK}
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and warps of one launch."""
+
+    rows: int
+    columns: int
+    warps: int
+
+
+#: Defaults per template for a GPU: K1 streams a whole row per program (`rows` 1-4, wide blocks);
+#: K2's tiles load their row values once for 16 rows.
+FORWARD_BLOCKS = Blocks(rows=2, columns=4096, warps=8)
+BACKWARD_BLOCKS = Blocks(rows=16, columns=512, warps=4)
+
+
+# ---- what each node is ------------------------------------------------------------------------
+def _kind(value, vocab: int) -> str:
+    """How a value lies over a chunk `[rows, vocab]`: WIDE, ROW (one value per row), COL (one per
+    column), SCALAR (0-d), CONST (a Python number)."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (bool, int, float)):
+            return CONST
+        raise NotGenerated(f"a value of type {type(value).__name__}")
+    shape = tuple(value.shape)
+    if not shape:
+        return SCALAR
+    symbolic_rows = not isinstance(shape[0], int)
+    if symbolic_rows and len(shape) == 2 and shape[1] == vocab:
+        return WIDE
+    if symbolic_rows and all(s == 1 for s in shape[1:]):
+        return ROW
+    if shape in ((vocab,), (1, vocab)):
+        return COL
+    if all(s == 1 for s in shape):
+        return SCALAR
+    raise NotGenerated(f"a value of shape {list(shape)} (rows, a row of width {vocab}, or a scalar only)")
+
+
+class _Program:
+    """A graph's nodes, classified, and the expressions that compute them."""
+
+    def __init__(self, gm: torch.fx.GraphModule, vocab: int):
+        self.gm, self.vocab = gm, vocab
+        self.kinds: dict = {}
+        self.exprs: dict = {}  # node -> Triton expression (a variable name once assigned)
+        self.depends: dict = {}  # node -> the reductions it depends on
+        self.placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                self.kinds[node] = _kind(node.meta.get("val"), vocab)
+                if self.kinds[node] == CONST:
+                    raise NotGenerated(f"placeholder {node.name} is not a tensor")
+                self.depends[node] = frozenset()
+            elif node.op == "call_function":
+                self.kinds[node] = self._call_kind(node)
+                inputs = [self.depends[a] for a in node.all_input_nodes if a in self.depends]
+                own = frozenset({node}) if node.target in _REDUCTIONS else frozenset()
+                self.depends[node] = own.union(*inputs)
+
+    def _call_kind(self, node) -> str:
+        if node.target is aten.sym_size.int:
+            return CONST
+        if node.target is aten.arange.default:
+            return COL
+        return _kind(node.meta.get("val"), self.vocab)
+
+    def dtype(self, node) -> torch.dtype:
+        return node.meta["val"].dtype
+
+    def arg(self, a) -> str:
+        """An argument of a node as an expression."""
+        if isinstance(a, torch.fx.Node):
+            if a not in self.exprs:
+                raise NotGenerated(f"{a.name} is read before it is computed in this template")
+            return self.exprs[a]
+        if isinstance(a, torch.dtype) or a is None:
+            return "None"
+        return emit.literal(a)
+
+    def expression(self, node) -> str:
+        """The Triton expression of a column-wise or row-wise node, from its arguments' expressions."""
+        target, args, kwargs = node.target, node.args, node.kwargs
+        if target is aten.sym_size.int:
+            return "0"  # only ever a shape argument, which broadcasting makes unnecessary
+        if target is aten.arange.default:
+            if (len(args) != 1 or args[0] != self.vocab or kwargs.get("dtype", torch.int64) not in (torch.int64, torch.int32)
+                    or kwargs.get("start", 0) != 0):
+                raise NotGenerated(f"{node.name}: an arange other than over the row's columns")
+            return "cols"
+        if target in emit.CONSTANTS:
+            return self._constant(node, args[emit.CONSTANTS[target]])
+        if target in emit.ZEROS_ONES:
+            return self._constant(node, emit.ZEROS_ONES[target])
+        if target in emit.SAME_VALUES:
+            return self._same_values(node)
+        if target not in emit.POINTWISE:
+            raise NotGenerated(f"{node.name} ({target}) is not in the emitter's table")
+        if target in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar) and kwargs.get("alpha", 1) != 1:
+            raise NotGenerated(f"{node.name}: {target} with alpha")
+        if target in (aten.div.Tensor, aten.div.Scalar) and kwargs.get("rounding_mode") is not None:
+            raise NotGenerated(f"{node.name}: a division with rounding mode {kwargs['rounding_mode']}")
+        if set(kwargs) - {"alpha"}:
+            raise NotGenerated(f"{node.name}: {target} with keyword arguments {sorted(kwargs)}")
+        if self.dtype(node).is_floating_point and self.dtype(node) not in (torch.float32, torch.bfloat16, torch.float16):
+            raise NotGenerated(f"{node.name} computes in {self.dtype(node)}")
+        expr = emit.POINTWISE[target](*[self.arg(a) for a in args])
+        return emit.rounded(expr, self.dtype(node))
+
+    def _constant(self, node, value) -> str:
+        dtype = self.dtype(node)
+        if isinstance(value, torch.fx.Node):
+            raise NotGenerated(f"{node.name}: a constant of a runtime value")
+        if dtype.is_floating_point:
+            return emit.rounded(emit.literal(float(value)), dtype)
+        return emit.literal(bool(value) if dtype == torch.bool else int(value))
+
+    def _same_values(self, node) -> str:
+        source = node.args[0]
+        if self.kinds.get(source) == WIDE and self.kinds[node] != WIDE:
+            raise NotGenerated(f"{node.name} ({node.target}) reshapes a row of the vocabulary")
+        if self.kinds[node] == WIDE and node.target is not aten.expand.default and self.kinds.get(source) != WIDE:
+            raise NotGenerated(f"{node.name} ({node.target}) makes a row of the vocabulary")
+        expr = self.arg(source)
+        if node.target is aten._to_copy.default:
+            if set(node.kwargs) - {"dtype", "layout", "device"} or node.kwargs.get("layout") not in (None, torch.strided):
+                raise NotGenerated(f"{node.name}: a copy with {dict(node.kwargs)}")
+            src, dst = self.dtype(source), self.dtype(node)
+            if dst.is_floating_point:
+                if dst not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise NotGenerated(f"{node.name}: a cast to {dst}")
+                expr = f"({expr}).to(tl.float32)" if not src.is_floating_point else expr
+                return emit.rounded(expr, dst)
+            if dst == torch.bool:
+                return f"({expr} != 0)"
+            if src.is_floating_point:
+                raise NotGenerated(f"{node.name}: a cast from {src} to {dst}")
+            return expr
+        return expr
+
+
+# ---- loads and stores ----------------------------------------------------------------------------
+def _load(name: str, kind: str, dtype: torch.dtype, mask: str) -> str:
+    """Triton source loading placeholder `name` as its kind lies (float values widened to fp32 at once:
+    the interpreter holds bf16 as raw bits)."""
+    widen = ".to(tl.float32)" if dtype.is_floating_point else ""
+    if kind == WIDE:
+        return f"tl.load({name}_ptr + r64 * {name}_s0 + cols * {name}_s1, mask={mask}, other=0){widen}"
+    if kind == ROW:
+        return f"tl.load({name}_ptr + r64 * {name}_s0, mask=row_ok, other=0){widen}"
+    if kind == COL:
+        return f"tl.load({name}_ptr + cols * {name}_s1, mask=col_ok, other=0){widen}"
+    return f"tl.load({name}_ptr){widen}"
+
+
+def _parameters(program: _Program) -> list[str]:
+    params = []
+    for p in program.placeholders:
+        kind = program.kinds[p]
+        params.append(f"{p.name}_ptr")
+        params += {WIDE: [f"{p.name}_s0", f"{p.name}_s1"], ROW: [f"{p.name}_s0"], COL: [f"{p.name}_s1"]}.get(kind, [])
+    return params
+
+
+def _wide(expr: str, kind: str) -> str:
+    """`expr` as a `[BM, BV]` block (a row value broadcast along the row, a column value down it)."""
+    if kind == WIDE:
+        return expr
+    if kind == CONST:
+        return f"tl.full((BM, BV), {expr}, tl.float32)"
+    return f"tl.broadcast_to({expr}, (BM, BV))"
+
+
+def _rows(expr: str, kind: str) -> str:
+    """`expr` as a `[BM, 1]` block."""
+    if kind == ROW:
+        return expr
+    if kind == CONST:
+        return f"tl.full((BM, 1), {expr}, tl.float32)"
+    return f"tl.broadcast_to({expr}, (BM, 1))"
+
+
+_HEADER = """import triton
+import triton.language as tl
+{prelude}
+
+@triton.jit
+def kernel({params}, T, V, BM: tl.constexpr, BV: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+"""
+
+
+# ---- K2: the backward ------------------------------------------------------------------------------
+def _backward_source(program: _Program) -> tuple[str, list]:
+    """K2's source and the out slices it writes (placeholders), in the graph's order."""
+    body = ["    cols = tl.program_id(1) * BV + tl.arange(0, BV)[None, :]", "    col_ok = cols < V",
+            "    mask = row_ok & col_ok"]
+    stores = []
+    for node in program.gm.graph.nodes:
+        if node.op == "placeholder":
+            program.exprs[node] = node.name
+            if node.users and not all(u.target is aten.copy_.default and u.args[0] is node for u in node.users):
+                body.append(f"    {node.name} = {_load(node.name, program.kinds[node], program.dtype(node), 'mask')}")
+        elif node.op == "call_function":
+            if node.target in _REDUCTIONS:
+                raise NotGenerated(f"{node.name} ({node.target}) reduces along the row (the backward's own sums)")
+            if node.target is aten.copy_.default:
+                slot, value = node.args
+                if slot.op != "placeholder" or program.kinds[slot] != WIDE or node.users:
+                    raise NotGenerated(f"{node.name}: a copy into something other than a wide out slice")
+                expr = _wide(program.arg(value), program.kinds[value])
+                body.append(f"    tl.store({slot.name}_ptr + r64 * {slot.name}_s0 + cols * {slot.name}_s1, "
+                            f"({expr}).to({emit.tl_dtype(program.dtype(slot))}), mask=mask)")
+                stores.append(slot)
+                continue
+            program.exprs[node] = f"v_{node.name}"
+            body.append(f"    v_{node.name} = {program.expression(node)}")
+        elif node.op == "output":
+            if any(isinstance(a, torch.fx.Node) for a in node.all_input_nodes):
+                raise NotGenerated("the backward returns a gradient summed over rows")
+    if not stores:
+        raise NotGenerated("the backward writes no gradient")
+    header = _HEADER.format(prelude=emit.PRELUDE, params=", ".join(_parameters(program)))
+    return header + "\n".join(body) + "\n", stores
+
+
+# ---- K1: the forward -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Term:
+    """`const * template(P)` where P is `exp(d)^e * d^k`, d = a - max(a) (`_Online`), and the template
+    is linear in P (products with free values, `where(mask, ., 0)`); `masked` once a where is in it."""
+
+    e: int
+    k: int
+    const: float
+    template: str
+    masked: bool = False
+
+
+class _Online:
+    """The sums over a row that depend on one max `m = amax(a)` as `sum(exp(a - m) * (c0 + c1 (a - m)))`:
+    each node between `m` and such a sum as its terms (`_Term`), else NotGenerated."""
+
+    def __init__(self, program: _Program):
+        self.program = program
+        self.forms: dict = {}  # node -> (the amax node, [terms])
+
+    def form(self, node):
+        if node in self.forms:
+            return self.forms[node]
+        form = self._form(node)
+        self.forms[node] = form
+        return form
+
+    def _free(self, a) -> bool:
+        return not isinstance(a, torch.fx.Node) or not self.program.depends[a]
+
+    def _form(self, node):
+        program, target, args = self.program, node.target, node.args
+        why = f"{node.name} ({target}) depends on a reduction over the row in a way the one-pass form does not cover"
+        if node.op != "call_function" or program.kinds[node] != WIDE:
+            raise NotGenerated(why)
+        if target in (aten.sub.Tensor,) and isinstance(args[1], torch.fx.Node) and args[1].target is _AMAX \
+                and args[1].args[0] is args[0] and self._free(args[0]) and not node.kwargs:
+            return args[1], [_Term(0, 1, 1.0, "{P}")]
+        if target is aten.exp.default:
+            m, terms = self.form(args[0])
+            if len(terms) != 1 or (terms[0].e, terms[0].k, terms[0].const, terms[0].template) != (0, 1, 1.0, "{P}"):
+                raise NotGenerated(why)
+            return m, [_Term(1, 0, 1.0, "{P}")]
+        if target is aten._to_copy.default and program.dtype(node) == program.dtype(args[0]) == torch.float32:
+            return self.form(args[0])
+        if target in (aten.clone.default, aten.alias.default, aten.detach.default):
+            return self.form(args[0])
+        if target is aten.neg.default:
+            m, terms = self.form(args[0])
+            return m, [dataclasses.replace(t, const=-t.const) for t in terms]
+        if target in (aten.add.Tensor, aten.sub.Tensor) and not node.kwargs and not any(map(self._free, args)):
+            (m1, t1), (m2, t2) = self.form(args[0]), self.form(args[1])
+            if m1 is not m2:
+                raise NotGenerated(f"{node.name} mixes sums about two maxima")
+            sign = 1.0 if target is aten.add.Tensor else -1.0
+            return m1, t1 + [dataclasses.replace(t, const=sign * t.const) for t in t2]
+        if target in (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar):
+            return self._product(node, why)
+        if target in (aten.where.self, aten.where.ScalarOther) and self._free(args[0]) and args[2] == 0 \
+                or (target is aten.where.self and _is_zero(args[2])):
+            m, terms = self.form(args[1])
+            mask = program.arg(args[0])
+            return m, [_Term(t.e, t.k, 1.0, f"tl.where({mask}, {t.const!r} * ({t.template}), 0.0)", True) for t in terms]
+        raise NotGenerated(why)
+
+    def _product(self, node, why):
+        program, (a, b) = self.program, node.args
+        divide = node.target in (aten.div.Tensor, aten.div.Scalar)
+        if node.kwargs:
+            raise NotGenerated(why)
+        if self._free(b):
+            m, terms = self.form(a)
+            if not isinstance(b, torch.fx.Node):
+                factor = 1.0 / b if divide else float(b)
+                return m, [dataclasses.replace(t, const=t.const * factor) for t in terms]
+            value = program.arg(b)
+            op = "tl.div_rn({}, %s)" % emit.as_float(value) if divide else "({}) * %s" % value
+            return m, [dataclasses.replace(t, template=op.format(t.template)) for t in terms]
+        if divide:
+            raise NotGenerated(why)
+        if self._free(a):
+            m, terms = self.form(b)
+            if not isinstance(a, torch.fx.Node):
+                return m, [dataclasses.replace(t, const=t.const * float(a)) for t in terms]
+            return m, [dataclasses.replace(t, template=f"{program.arg(a)} * ({t.template})") for t in terms]
+        (m1, t1), (m2, t2) = self.form(a), self.form(b)
+        if m1 is not m2:
+            raise NotGenerated(f"{node.name} multiplies sums about two maxima")
+        terms = []
+        for x in t1:
+            for y in t2:
+                if x.masked or y.masked:  # where(mask, P1, 0) * P2 is NaN where P2 is, the where's form not
+                    raise NotGenerated(f"{node.name} multiplies a masked value by one that depends on the max")
+                # Each template is P times free factors: their product is P (the powers' product) times both.
+                if y.template == "{P}":
+                    both = x.template
+                elif x.template == "{P}":
+                    both = y.template
+                else:
+                    both = f"({x.template}) * ({y.template.replace('{P}', '1.0')})"
+                terms.append(_Term(x.e + y.e, x.k + y.k, x.const * y.const, both))
+        return m1, terms
+
+
+def _is_zero(a) -> bool:
+    return isinstance(a, (int, float)) and a == 0
+
+
+def _forward_source(program: _Program) -> tuple[str, list]:
+    """K1's source and its outputs (nodes), in the graph's order."""
+    graph = program.gm.graph
+    outputs = list(graph.output_node().args[0])
+    for o in outputs:
+        if not isinstance(o, torch.fx.Node) or program.kinds[o] != ROW or o.op == "placeholder":
+            raise NotGenerated(f"an output ({o}) that is not a row value computed here")
+    reductions = [n for n in graph.nodes if n.op == "call_function" and n.target in _REDUCTIONS]
+    if not reductions:
+        raise NotGenerated("the forward has no reduction over the row")
+    online = _Online(program)
+    pre, loop, tail = [], [], []
+    state = {}  # reduction -> its running state's variables
+    moments = {}  # (amax node, template, k) -> variable
+    sums = {}  # online sum node -> [(const, amax, template, k)]
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            program.exprs[node] = node.name
+            kind = program.kinds[node]
+            line = f"{node.name} = {_load(node.name, kind, program.dtype(node), 'mask')}"
+            (loop if kind in (WIDE, COL) else pre).append(line)
+            continue
+        if node.op != "call_function":
+            continue
+        kind, depends = program.kinds[node], program.depends[node]
+        if node.target in _REDUCTIONS:
+            _check_reduction(node, program)
+            source = node.args[0]
+            name = f"s_{node.name}"
+            program.exprs[node] = f"v_{node.name}"
+            if node.target is _AMAX and not program.depends[source]:
+                state[node] = name
+                src = _wide(program.arg(source), program.kinds[source])
+                pre += [f"{name} = tl.full((BM, 1), float(\"-inf\"), tl.float32)", f"{name}_nan = tl.zeros((BM, 1), tl.int32)"]
+                loop += [f"a_{node.name} = tl.where(mask, {src}, float(\"-inf\"))",
+                         f"{name}_nan = {name}_nan + tl.sum((a_{node.name} != a_{node.name}).to(tl.int32), axis=1)[:, None]",
+                         f"{name}_new = tl.maximum({name}, tl.max(tl.where(a_{node.name} != a_{node.name}, float(\"-inf\"), "
+                         f"a_{node.name}), axis=1)[:, None])"]
+                value = f'tl.where({name}_nan > 0, float("nan"), {name})'
+                tail.append(f"v_{node.name} = {emit.rounded(value, program.dtype(node))}")
+            elif node.target is _PICK:
+                index = node.args[2]
+                if program.depends[source] or program.depends[index] or program.kinds[index] not in (ROW, SCALAR):
+                    raise NotGenerated(f"{node.name}: a gather of a value that depends on a reduction, or not one per row")
+                pre.append(f"{name} = tl.zeros((BM, 1), tl.float32)")
+                src = _wide(program.arg(source), program.kinds[source])
+                loop.append(f"{name} += tl.sum(tl.where(mask & (cols == {program.arg(index)}), {src}, 0.0), axis=1)[:, None]")
+                tail.append(f"v_{node.name} = {emit.rounded(name, program.dtype(node))}")
+            elif node.target in (_SUM, _MEAN) and not program.depends[source]:
+                pre.append(f"{name} = tl.zeros((BM, 1), tl.float32)")
+                src = _wide(program.arg(source), program.kinds[source])
+                loop.append(f"{name} += tl.sum(tl.where(mask, {src}, 0.0), axis=1)[:, None]")
+                value = f"tl.div_rn({name}, {float(program.vocab)!r} + tl.zeros([1], tl.float32))" \
+                    if node.target is _MEAN else name
+                tail.append(f"v_{node.name} = {emit.rounded(value, program.dtype(node))}")
+            elif node.target is _SUM:
+                m, terms = online.form(source)
+                if any(t.e != 1 or t.k > 1 for t in terms):
+                    raise NotGenerated(f"{node.name} sums a value that is not exp(a - max) times c0 + c1 (a - max)")
+                parts = []
+                for t in terms:
+                    for k in range(t.k + 1):  # a first moment rescales with the zeroth
+                        moments.setdefault((m, t.template, k), f"mom{len(moments)}")
+                    parts.append(f"{t.const!r} * {moments[(m, t.template, t.k)]}")
+                sums[node] = m
+                value = f"tl.where({state[m]} == float(\"-inf\"), float(\"nan\"), {' + '.join(parts)})"
+                tail.append(f"v_{node.name} = {emit.rounded(value, program.dtype(node))}")
+            else:
+                raise NotGenerated(f"{node.name} ({node.target}) reduces a value that depends on another reduction")
+            continue
+        if kind == WIDE and depends:
+            continue  # only read through an online sum's terms
+        if kind in (WIDE, COL) and not depends:
+            program.exprs[node] = f"v_{node.name}"
+            loop.append(f"v_{node.name} = {program.expression(node)}")
+        elif not depends:
+            program.exprs[node] = f"v_{node.name}"
+            pre.append(f"v_{node.name} = {program.expression(node)}")
+        else:
+            program.exprs[node] = f"v_{node.name}"
+            tail.append(f"v_{node.name} = {program.expression(node)}")
+    # Last in the loop, once every value their terms read is computed: the online sums, then the maxima.
+    for m, name in state.items():
+        loop += [f"MOMENTS:{m.name}", f"{name} = {name}_new"]
+    loop = _with_moments(loop, moments, state, program, online)
+    pre += [f"{var} = tl.zeros((BM, 1), tl.float32)" for var in moments.values()]
+    stores = [f"tl.store(out{j}_ptr + r64 * out{j}_s0, {_rows(program.exprs[o], program.kinds[o])}"
+              f".to({emit.tl_dtype(program.dtype(o))}), mask=row_ok)" for j, o in enumerate(outputs)]
+    params = _parameters(program) + [p for j in range(len(outputs)) for p in (f"out{j}_ptr", f"out{j}_s0")]
+    lines = (pre + ["for start in range(0, V, BV):", "    cols = start + tl.arange(0, BV)[None, :]",
+                    "    col_ok = cols < V", "    mask = row_ok & col_ok"]
+             + ["    " + line for line in loop] + tail + stores)
+    header = _HEADER.format(prelude=emit.PRELUDE, params=", ".join(params))
+    return header + "\n".join("    " + line for line in lines) + "\n", outputs
+
+
+def _with_moments(loop: list[str], moments: dict, state: dict, program: _Program, online: _Online) -> list[str]:
+    """The loop with each max's `MOMENTS:` marker replaced by its online sums' update: rescale the
+    moments about the new max (`exp(old - new)`, and a first moment shifts by the zeroth), then add the
+    block's. The max used is 0 while the row is all -inf so far (its terms are 0 or NaN, as eager's)."""
+    out = []
+    for line in loop:
+        if not line.startswith("MOMENTS:"):
+            out.append(line)
+            continue
+        name = line.split(":", 1)[1]
+        m = next(n for n in state if n.name == name)
+        mine = {(t, k): v for (mm, t, k), v in moments.items() if mm is m}
+        if not mine:
+            continue
+        s = state[m]
+        a = _wide(program.arg(m.args[0]), program.kinds[m.args[0]])
+        out += [f"old_{name} = tl.where({s} == float(\"-inf\"), 0.0, {s})",
+                f"new_{name} = tl.where({s}_new == float(\"-inf\"), 0.0, {s}_new)",
+                f"delta_{name} = old_{name} - new_{name}",
+                f"alpha_{name} = tl.exp(delta_{name})",
+                f"d_{name} = {a} - new_{name}",
+                f"e_{name} = tl.exp(d_{name})"]
+        for (template, k), var in mine.items():
+            if k == 1:
+                out.append(f"{var} = alpha_{name} * ({var} + delta_{name} * {mine[(template, 0)]})")
+        for (template, k), var in mine.items():
+            if k == 0:
+                out.append(f"{var} = alpha_{name} * {var}")
+        for (template, k), var in mine.items():
+            power = f"e_{name}" if k == 0 else f"e_{name} * d_{name}"
+            contribution = template.replace("{P}", power)
+            out.append(f"{var} += tl.sum(tl.where(mask, {contribution}, 0.0), axis=1)[:, None]")
+    return out
+
+
+def _check_reduction(node, program: _Program) -> None:
+    """A reduction over the last dim of a wide value, to one value per row."""
+    if node.target is _PICK:
+        if node.args[1] not in (-1, 1) or program.kinds[node.args[0]] != WIDE:
+            raise NotGenerated(f"{node.name}: a gather other than along the row")
+        return
+    dims = node.args[1] if len(node.args) > 1 else None
+    if dims not in ([-1], [1], (-1,), (1,)) or program.kinds[node.args[0]] not in (WIDE, COL):
+        raise NotGenerated(f"{node.name}: a reduction other than over the row (dims {dims})")
+    if program.kinds[node.args[0]] != WIDE:
+        raise NotGenerated(f"{node.name}: a reduction of a value that is not a row of the vocabulary")
+    if set(node.kwargs) - {"dtype"}:
+        raise NotGenerated(f"{node.name}: a reduction with {dict(node.kwargs)}")
+
+
+# ---- compiling and launching ----------------------------------------------------------------------
+_MODULES: dict[str, object] = {}
+_DIRECTORY: list[str] = []
+
+
+def _kernel_of(source: str):
+    """The `kernel` of a generated module, imported from a file (Triton reads a kernel's source)."""
+    key = hashlib.sha256(source.encode()).hexdigest()[:20]
+    if key not in _MODULES:
+        if not _DIRECTORY:
+            _DIRECTORY.append(tempfile.mkdtemp(prefix="graphpass_kernels_"))
+        path = os.path.join(_DIRECTORY[0], f"k{key}.py")
+        with open(path, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location(f"graphpass_generated_k{key}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _MODULES[key] = module
+    return _MODULES[key].kernel
+
+
+def _vocab_of(gm: torch.fx.GraphModule) -> int:
+    widths = {n.meta["val"].shape[-1] for n in gm.graph.find_nodes(op="placeholder")
+              if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].ndim == 2
+              and not isinstance(n.meta["val"].shape[0], int)}
+    widths = {w for w in widths if isinstance(w, int) and w > 1}
+    if len(widths) != 1:
+        raise NotGenerated(f"its inputs' rows have widths {sorted(widths)}: one vocabulary width only")
+    return widths.pop()
+
+
+class GeneratedKernel:
+    """A generated Triton kernel with the calling convention of the graph it was made from."""
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, blocks: Blocks | None = None):
+        if kind not in ("forward", "backward"):
+            raise NotGenerated(f"the {kind} kernel is not generated (forward and backward only)")
+        self.kind = kind
+        self.vocab = _vocab_of(gm)
+        program = _Program(_torch_api.with_example_values(gm), self.vocab)
+        if kind == "forward":
+            self.source, self.outputs = _forward_source(program)
+            self.blocks = blocks or FORWARD_BLOCKS
+        else:
+            self.source, self.outputs = _backward_source(program)
+            self.blocks = blocks or BACKWARD_BLOCKS
+        self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
+        self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
+        self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
+            if kind == "forward" else []
+        self._kernel = None
+
+    @property
+    def kernel(self):
+        if self._kernel is None:
+            self._kernel = _kernel_of(self.source)
+        return self._kernel
+
+    def signature_arguments(self, args, outs=()) -> list:
+        """The kernel's arguments for the graph's `args` (and K1's outputs `outs`), before T and V."""
+        flat = []
+        for (name, kind), a in zip(self.placeholders, args):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"graphpass: generated kernel argument {name} is not a tensor")
+            flat.append(a)
+            if kind == WIDE:
+                flat += [a.stride(0), a.stride(1)]
+            elif kind == ROW:
+                flat.append(a.stride(0) if a.ndim else 0)
+            elif kind == COL:
+                flat.append(a.stride(-1))
+        for o in outs:
+            flat += [o, o.stride(0) if o.ndim else 0]
+        return flat
+
+    def __call__(self, *args):
+        rows = args[self.wide].shape[0]
+        device = args[self.wide].device
+        outs = [torch.empty((rows, *tail), dtype=dtype, device=device) for tail, dtype in self._out_specs]
+        if rows:
+            b = self.blocks
+            columns = min(b.columns, _next_power_of_2(self.vocab))
+            grid = ((rows + b.rows - 1) // b.rows,)
+            if self.kind == "backward":
+                grid = (grid[0], (self.vocab + columns - 1) // columns)
+            self.kernel[grid](*self.signature_arguments(args, outs), rows, self.vocab, BM=b.rows, BV=columns,
+                              num_warps=b.warps)
+        return tuple(outs)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,164 @@
+"""graphpass.kernels: the generated Triton kernels, run by Triton's interpreter on the CPU.
+
+Each row-local form graphpass extracts (`kernel_programs`) is split as the op splits it
+(`JointSplit`), its forward and backward graphs generated, and run: every output and the logits'
+gradient must be as close to float64 as eager's, within twice eager's error (plus an ulp of the
+output's dtype). What the generator does not express must say why. The interpreter holds bf16 as
+raw bits and truncates casts to it; `_interpreter` patches the cast for these tests only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kernel_programs as kp
+from graphpass.ops.joint import ArgSpec, JointSplit
+
+triton = pytest.importorskip("triton")
+
+from graphpass.kernels import NotGenerated, unavailable  # noqa: E402
+from graphpass.kernels.rowwise import Blocks, GeneratedKernel  # noqa: E402
+
+# Few, large blocks (the interpreter's cost is per program and loop step), not multiples of the shapes.
+BLOCKS = Blocks(rows=4, columns=256, warps=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter():
+    """fp32 -> bf16 casts rounded to nearest even, as on the GPU, in Triton's interpreter (which
+    truncates them); `TRITON_INTERPRET=1` is set by `conftest` before Triton is imported."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET is not 1)")
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
+
+    def rounded_cast(self, src, dst_type):
+        if src.dtype.scalar == triton.language.float32 and dst_type.scalar == triton.language.bfloat16:
+            bits = torch.from_numpy(src.data.copy()).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = rounded_cast
+    yield
+    builder.cast_impl = cast
+
+
+def _split(name: str, args: list, vocab: int, keeps=None) -> tuple[JointSplit, int]:
+    # Per row: every 2-D argument but the vocabulary mask `[1, V]` (`kp.Masked`), whatever the rows.
+    per_row = [a.ndim == 2 and a.dtype != torch.bool for a in args]
+    specs = [ArgSpec(tuple(a.shape), a.dtype, per_row=p, wide=p and a.shape[-1] == vocab) for a, p in zip(args, per_row)]
+    module = kp.program_class(name)()
+    n = len(module(*args))
+    keeps = list(range(n)) if keeps is None else keeps
+    return JointSplit(torch.fx.symbolic_trace(module), specs, keeps, [0], device="cpu"), n
+
+
+def _reference(name: str, args: list, compute, grad_outputs, active) -> tuple[list, torch.Tensor]:
+    """The program's outputs and the logits' gradient by autograd, computing in `compute` (its
+    floating inputs in float64 too when `compute` is)."""
+    module = kp.program_class(name)(compute)
+    if compute == torch.float64:
+        args = [a.double() if a.is_floating_point() else a for a in args]
+    logits = args[0].detach().clone().requires_grad_(True)
+    outs = module(logits, *args[1:])
+    torch.autograd.backward([outs[j] for j in active], [g.to(outs[j].dtype) for j, g in zip(active, grad_outputs)])
+    return [o.detach() for o in outs], logits.grad
+
+
+def _error(value, exact) -> float:
+    return (value.double() - exact).abs().max().item()
+
+
+def _within_eager(name, ours, eager, exact, dtype):
+    bound = 2 * _error(eager, exact) + torch.finfo(dtype).eps * max(exact.abs().max().item(), 1.0)
+    assert _error(ours, exact) <= bound, (name, _error(ours, exact), _error(eager, exact))
+
+
+CASES = [(name, dtype, rows, vocab) for name in kp.NAMES if name not in ("Masked", "TeacherKL", "LabelSmoothing")
+         for dtype in (torch.float32, torch.bfloat16) for rows, vocab in ((7, 1000), (1, 300))]
+
+
+@pytest.mark.parametrize("name,dtype,rows,vocab", CASES)
+def test_generated_kernels_are_as_close_to_float64_as_eager(name, dtype, rows, vocab):
+    generator = torch.Generator().manual_seed(0)
+    args = kp.arguments(name, rows, vocab, dtype, generator)
+    split, n = _split(name, args, vocab)
+    active = tuple(range(n))
+    forward = GeneratedKernel(split.forward, "forward", BLOCKS)
+    backward = GeneratedKernel(split.backward(active, (0,)), "backward", BLOCKS)
+    results = forward(*args)
+    outs, saved = results[:n], results[n:]
+    grad_outputs = [torch.randn(rows, 1, generator=generator) for _ in active]
+    gradient = torch.empty_like(args[0])
+    assert backward(*args, *saved, *grad_outputs, gradient) == ()
+    eager_outs, eager_grad = _reference(name, args, torch.float32, grad_outputs, active)
+    exact_outs, exact_grad = _reference(name, args, torch.float64, grad_outputs, active)
+    for ours, eager, exact in zip(outs, eager_outs, exact_outs):
+        assert ours.dtype == eager.dtype and ours.shape == eager.shape
+        _within_eager(name, ours, eager, exact, ours.dtype)
+    assert gradient.dtype == dtype
+    _within_eager(name, gradient, eager_grad, exact_grad, dtype)
+
+
+def test_an_entropy_without_gradient_is_computed_but_not_differentiated():
+    generator = torch.Generator().manual_seed(1)
+    args = kp.arguments("LogProbEntropy", 5, 700, torch.float32, generator)
+    split, n = _split("LogProbEntropy", args, 700, keeps=[0])
+    results = GeneratedKernel(split.forward, "forward", BLOCKS)(*args)
+    grad = torch.randn(5, 1, generator=generator)
+    gradient = torch.empty_like(args[0])
+    GeneratedKernel(split.backward((0,), (0,)), "backward", BLOCKS)(*args, *results[n:], grad, gradient)
+    eager_outs, eager_grad = _reference("LogProbEntropy", args, torch.float32, [grad], (0,))
+    exact_outs, exact_grad = _reference("LogProbEntropy", args, torch.float64, [grad], (0,))
+    for ours, eager, exact in zip(results[:n], eager_outs, exact_outs):
+        _within_eager("entropy", ours, eager, exact, torch.float32)
+    _within_eager("entropy", gradient, eager_grad, exact_grad, torch.float32)
+
+
+def test_rows_that_are_all_minus_infinity_or_nan_give_what_eager_gives():
+    """A row of -inf (log-sum-exp -inf, log-prob NaN) and a row with a NaN: NaN where eager has NaN,
+    the same infinities elsewhere; the other rows unchanged."""
+    args = kp.arguments("LogProb", 4, 600, torch.float32, torch.Generator().manual_seed(2))
+    args[0][1] = -float("inf")
+    args[0][2, 17] = float("nan")
+    args[0][3, :300] = -float("inf")  # the first block's max is -inf, the row's is not
+    split, n = _split("LogProb", args, 600)
+    ours = GeneratedKernel(split.forward, "forward", BLOCKS)(*args)
+    eager = split.forward(*args)
+    for a, b in zip(ours, eager):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("name,kind,reason", [
+    ("TeacherKL", "backward", "reduces along the row"),
+    ("LabelSmoothing", "backward", "reduces along the row"),
+])
+def test_what_the_generator_does_not_express_says_why(name, kind, reason):
+    args = kp.arguments(name, 3, 50, torch.float32, torch.Generator().manual_seed(3))
+    split, n = _split(name, args, 50)
+    graph = split.forward if kind == "forward" else split.backward(tuple(range(n)), (0,))
+    with pytest.raises(NotGenerated, match=reason):
+        GeneratedKernel(graph, kind)
+
+
+def test_gradients_summed_over_rows_and_fused_kernels_are_not_generated():
+    args = kp.arguments("LogProbEntropy", 3, 50, torch.float32, torch.Generator().manual_seed(4))
+    args[2] = args[2].clone()
+    specs = [ArgSpec((3, 50), torch.float32, True, True), ArgSpec((3, 1), torch.int64, True, False),
+             ArgSpec((), torch.float32, False, False)]
+    split = JointSplit(torch.fx.symbolic_trace(kp.LogProbEntropy()), specs, [0, 1], [0, 2], device="cpu")
+    with pytest.raises(NotGenerated):  # the temperature's gradient: a sum over the row and the rows
+        GeneratedKernel(split.backward((0, 1), (0, 2)), "backward")
+    with pytest.raises(NotGenerated, match="not generated"):
+        GeneratedKernel(split.fused((0, 1), (0,)), "fused")
+
+
+def test_generated_kernels_run_on_cuda_only_with_triton_and_the_switch_on():
+    assert unavailable(torch.device("cpu"), True) == "the device is cpu, not CUDA"
+    assert "turned off" in unavailable(torch.device("cuda"), False)
+    assert unavailable(torch.device("cuda"), True) is None  # triton is importable here
