@@ -79,8 +79,7 @@ def _within_eager(name, ours, eager, exact, dtype):
     assert _error(ours, exact) <= bound, (name, _error(ours, exact), _error(eager, exact))
 
 
-CASES = [(name, dtype, rows, vocab) for name in kp.NAMES if name not in ("Masked", "TeacherKL", "LabelSmoothing")
-         for dtype in (torch.float32, torch.bfloat16) for rows, vocab in ((7, 1000), (1, 300))]
+CASES = [(name, dtype, rows, vocab) for name in kp.NAMES for dtype in (torch.float32, torch.bfloat16) for rows, vocab in ((7, 1000), (1, 300))]
 
 
 @pytest.mark.parametrize("name,dtype,rows,vocab", CASES)
@@ -134,16 +133,38 @@ def test_rows_that_are_all_minus_infinity_or_nan_give_what_eager_gives():
         torch.testing.assert_close(a, b, equal_nan=True)
 
 
-@pytest.mark.parametrize("name,kind,reason", [
-    ("TeacherKL", "backward", "reduces along the row"),
-    ("LabelSmoothing", "backward", "reduces along the row"),
-])
-def test_what_the_generator_does_not_express_says_why(name, kind, reason):
-    args = kp.arguments(name, 3, 50, torch.float32, torch.Generator().manual_seed(3))
-    split, n = _split(name, args, 50)
-    graph = split.forward if kind == "forward" else split.backward(tuple(range(n)), (0,))
+class _Cubed(torch.nn.Module):
+    def forward(self, logits):
+        return (logits.pow(3).sum(-1, keepdim=True),)
+
+
+class _MaxOfLogSoftmax(torch.nn.Module):
+    def forward(self, logits):
+        return (torch.log_softmax(logits, -1).amax(-1, keepdim=True),)
+
+
+class _ArgMax(torch.nn.Module):
+    def forward(self, logits):
+        return (torch.log_softmax(logits, -1).argmax(-1, keepdim=True).float() * logits.amax(-1, keepdim=True),)
+
+
+@pytest.mark.parametrize("module,reason", [(_Cubed(), "pow with exponent 3"), (_ArgMax(), "argmax"),
+                                           (_MaxOfLogSoftmax(), "3 sweeps")])
+def test_what_the_generator_does_not_express_says_why(module, reason):
+    split = JointSplit(torch.fx.symbolic_trace(module), [ArgSpec((3, 50), torch.float32, True, True)], [0], [0],
+                       device="cpu")
     with pytest.raises(NotGenerated, match=reason):
-        GeneratedKernel(graph, kind)
+        GeneratedKernel(split.forward, "forward")
+
+
+def test_sums_along_the_row_in_backward_sweep_the_row_twice():
+    """The KL's backward sums its incoming gradient along the row (the teacher's probabilities times
+    the seed) before it writes: one program per rows, two sweeps, not 2-D tiles."""
+    args = kp.arguments("TeacherKL", 3, 50, torch.float32, torch.Generator().manual_seed(3))
+    split, n = _split("TeacherKL", args, 50)
+    assert not GeneratedKernel(split.backward((0,), (0,)), "backward").tiled
+    assert GeneratedKernel(_split("LogProb", args[:1] + [torch.zeros(3, 1, dtype=torch.int64)], 50)[0]
+                           .backward((0,), (0,)), "backward").tiled
 
 
 def test_gradients_summed_over_rows_and_fused_kernels_are_not_generated():

@@ -234,7 +234,21 @@ def kernel({params}, T, V, BM: tl.constexpr, BV: tl.constexpr):
 
 
 # ---- K2: the backward ------------------------------------------------------------------------------
-def _backward_source(program: _Program) -> tuple[str, list]:
+def _backward_source(program: _Program) -> tuple[str, list, bool]:
+    """The backward's source, the out slices it writes (placeholders) in the graph's order, and
+    whether it runs on 2-D tiles (K2), or sweeps along rows because it sums along them first."""
+    graph = program.gm.graph
+    if any(n.target in _REDUCTIONS for n in graph.nodes if n.op == "call_function"):
+        if any(isinstance(a, torch.fx.Node) for a in graph.output_node().all_input_nodes):
+            raise NotGenerated("the backward returns a gradient summed over rows")
+        copies = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default]
+        if not copies:
+            raise NotGenerated("the backward writes no gradient")
+        return _swept_source(program, [], copies), [c.args[0] for c in copies], False
+    return (*_tile_source(program), True)
+
+
+def _tile_source(program: _Program) -> tuple[str, list]:
     """K2's source and the out slices it writes (placeholders), in the graph's order."""
     body = ["    cols = tl.program_id(1) * BV + tl.arange(0, BV)[None, :]", "    col_ok = cols < V",
             "    mask = row_ok & col_ok"]
@@ -245,16 +259,9 @@ def _backward_source(program: _Program) -> tuple[str, list]:
             if node.users and not all(u.target is aten.copy_.default and u.args[0] is node for u in node.users):
                 body.append(f"    {node.name} = {_load(node.name, program.kinds[node], program.dtype(node), 'mask')}")
         elif node.op == "call_function":
-            if node.target in _REDUCTIONS:
-                raise NotGenerated(f"{node.name} ({node.target}) reduces along the row (the backward's own sums)")
             if node.target is aten.copy_.default:
-                slot, value = node.args
-                if slot.op != "placeholder" or program.kinds[slot] != WIDE or node.users:
-                    raise NotGenerated(f"{node.name}: a copy into something other than a wide out slice")
-                expr = _wide(program.arg(value), program.kinds[value])
-                body.append(f"    tl.store({slot.name}_ptr + r64 * {slot.name}_s0 + cols * {slot.name}_s1, "
-                            f"({expr}).to({emit.tl_dtype(program.dtype(slot))}), mask=mask)")
-                stores.append(slot)
+                body.append("    " + _store(program, node))
+                stores.append(node.args[0])
                 continue
             program.exprs[node] = f"v_{node.name}"
             body.append(f"    v_{node.name} = {program.expression(node)}")
@@ -284,8 +291,9 @@ class _Online:
     """The sums over a row that depend on one max `m = amax(a)` as `sum(exp(a - m) * (c0 + c1 (a - m)))`:
     each node between `m` and such a sum as its terms (`_Term`), else NotGenerated."""
 
-    def __init__(self, program: _Program):
+    def __init__(self, program: _Program, finished=frozenset()):
         self.program = program
+        self.finished = frozenset(finished)  # reductions done in earlier sweeps: row constants here
         self.forms: dict = {}  # node -> (the amax node, [terms])
 
     def form(self, node):
@@ -296,7 +304,7 @@ class _Online:
         return form
 
     def _free(self, a) -> bool:
-        return not isinstance(a, torch.fx.Node) or not self.program.depends[a]
+        return not isinstance(a, torch.fx.Node) or self.program.depends[a] <= self.finished
 
     def _form(self, node):
         program, target, args = self.program, node.target, node.args
@@ -318,8 +326,9 @@ class _Online:
         if target is aten.neg.default:
             m, terms = self.form(args[0])
             return m, [dataclasses.replace(t, const=-t.const) for t in terms]
-        if target in (aten.add.Tensor, aten.sub.Tensor) and not node.kwargs and not any(map(self._free, args)):
-            (m1, t1), (m2, t2) = self.form(args[0]), self.form(args[1])
+        if target in (aten.add.Tensor, aten.sub.Tensor) and not node.kwargs:
+            (m1, t1), (m2, t2) = (self._plain(a) if self._free(a) else self.form(a) for a in args[:2])
+            m1, m2 = m1 or m2, m2 or m1
             if m1 is not m2:
                 raise NotGenerated(f"{node.name} mixes sums about two maxima")
             sign = 1.0 if target is aten.add.Tensor else -1.0
@@ -332,6 +341,11 @@ class _Online:
             mask = program.arg(args[0])
             return m, [_Term(t.e, t.k, 1.0, f"tl.where({mask}, {t.const!r} * ({t.template}), 0.0)", True) for t in terms]
         raise NotGenerated(why)
+
+    def _plain(self, a):
+        """A free value as a term of no max (a plain sum's summand)."""
+        value = self.program.arg(a) if isinstance(a, torch.fx.Node) else emit.literal(a)
+        return None, [_Term(0, 0, 1.0, f"({value}) * {{P}}")]
 
     def _product(self, node, why):
         program, (a, b) = self.program, node.args
@@ -383,127 +397,174 @@ def _forward_source(program: _Program) -> tuple[str, list]:
     for o in outputs:
         if not isinstance(o, torch.fx.Node) or program.kinds[o] != ROW or o.op == "placeholder":
             raise NotGenerated(f"an output ({o}) that is not a row value computed here")
-    reductions = [n for n in graph.nodes if n.op == "call_function" and n.target in _REDUCTIONS]
+    return _swept_source(program, outputs, []), outputs
+
+
+def _swept_source(program: _Program, outputs: list, stores: list) -> str:
+    """The source of a kernel that sweeps over each row of `BM` rows: K1 (`outputs`, row values) and
+    the backward that sums along the row before writing its gradient (`stores`: its copies into out
+    slices, in a last sweep).
+
+    Reductions go into sweeps over the row: sweep 0 takes those of values free of reductions (and
+    the online sums about its maxima); a reduction of a value that needs another reduction's result
+    otherwise goes into the sweep after that one, where that result is a row constant. Most
+    programs need one sweep (one read of each row); a log-softmax summed again (a masked entropy
+    that `row_sums` left unfactored, a KL, label smoothing) needs two."""
+    graph = program.gm.graph
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is not aten.copy_.default]
+    reductions = [n for n in nodes if n.target in _REDUCTIONS]
     if not reductions:
         raise NotGenerated("the forward has no reduction over the row")
-    online = _Online(program)
-    pre, loop, tail = [], [], []
-    state = {}  # reduction -> its running state's variables
-    moments = {}  # (amax node, template, k) -> variable
-    sums = {}  # online sum node -> [(const, amax, template, k)]
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            program.exprs[node] = node.name
-            kind = program.kinds[node]
-            line = f"{node.name} = {_load(node.name, kind, program.dtype(node), 'mask')}"
-            (loop if kind in (WIDE, COL) else pre).append(line)
+    sweep_of: dict = {}  # reduction -> its sweep
+    forms: dict = {}  # online sum -> (its max, terms)
+    for node in reductions:
+        _check_reduction(node, program)
+        source = node.args[0]
+        needed = program.depends[source] | (program.depends[node.args[2]] if node.target is _PICK else frozenset())
+        if not needed:
+            sweep_of[node] = 0
             continue
-        if node.op != "call_function":
-            continue
-        kind, depends = program.kinds[node], program.depends[node]
-        if node.target in _REDUCTIONS:
-            _check_reduction(node, program)
-            source = node.args[0]
-            name = f"s_{node.name}"
-            program.exprs[node] = f"v_{node.name}"
-            if node.target is _AMAX and not program.depends[source]:
-                state[node] = name
-                src = _wide(program.arg(source), program.kinds[source])
-                pre += [f"{name} = tl.full((BM, 1), float(\"-inf\"), tl.float32)", f"{name}_nan = tl.zeros((BM, 1), tl.int32)"]
-                loop += [f"a_{node.name} = tl.where(mask, {src}, float(\"-inf\"))",
-                         f"{name}_nan = {name}_nan + tl.sum((a_{node.name} != a_{node.name}).to(tl.int32), axis=1)[:, None]",
-                         f"{name}_new = tl.maximum({name}, tl.max(tl.where(a_{node.name} != a_{node.name}, float(\"-inf\"), "
-                         f"a_{node.name}), axis=1)[:, None])"]
-                value = f'tl.where({name}_nan > 0, float("nan"), {name})'
-                tail.append(f"v_{node.name} = {emit.rounded(value, program.dtype(node))}")
-            elif node.target is _PICK:
-                index = node.args[2]
-                if program.depends[source] or program.depends[index] or program.kinds[index] not in (ROW, SCALAR):
-                    raise NotGenerated(f"{node.name}: a gather of a value that depends on a reduction, or not one per row")
-                pre.append(f"{name} = tl.zeros((BM, 1), tl.float32)")
-                src = _wide(program.arg(source), program.kinds[source])
-                loop.append(f"{name} += tl.sum(tl.where(mask & (cols == {program.arg(index)}), {src}, 0.0), axis=1)[:, None]")
-                tail.append(f"v_{node.name} = {emit.rounded(name, program.dtype(node))}")
-            elif node.target in (_SUM, _MEAN) and not program.depends[source]:
-                pre.append(f"{name} = tl.zeros((BM, 1), tl.float32)")
-                src = _wide(program.arg(source), program.kinds[source])
-                loop.append(f"{name} += tl.sum(tl.where(mask, {src}, 0.0), axis=1)[:, None]")
-                value = f"tl.div_rn({name}, {float(program.vocab)!r} + tl.zeros([1], tl.float32))" \
-                    if node.target is _MEAN else name
-                tail.append(f"v_{node.name} = {emit.rounded(value, program.dtype(node))}")
-            elif node.target is _SUM:
+        last = max(sweep_of[r] for r in needed)
+        if node.target is _SUM:
+            online = _Online(program, finished={r for r in sweep_of if sweep_of[r] < last})
+            try:
                 m, terms = online.form(source)
-                if any(t.e != 1 or t.k > 1 for t in terms):
-                    raise NotGenerated(f"{node.name} sums a value that is not exp(a - max) times c0 + c1 (a - max)")
-                parts = []
-                for t in terms:
-                    for k in range(t.k + 1):  # a first moment rescales with the zeroth
-                        moments.setdefault((m, t.template, k), f"mom{len(moments)}")
-                    parts.append(f"{t.const!r} * {moments[(m, t.template, t.k)]}")
-                sums[node] = m
-                value = f"tl.where({state[m]} == float(\"-inf\"), float(\"nan\"), {' + '.join(parts)})"
-                tail.append(f"v_{node.name} = {emit.rounded(value, program.dtype(node))}")
-            else:
-                raise NotGenerated(f"{node.name} ({node.target}) reduces a value that depends on another reduction")
-            continue
-        if kind == WIDE and depends:
-            continue  # only read through an online sum's terms
-        if kind in (WIDE, COL) and not depends:
-            program.exprs[node] = f"v_{node.name}"
-            loop.append(f"v_{node.name} = {program.expression(node)}")
-        elif not depends:
-            program.exprs[node] = f"v_{node.name}"
-            pre.append(f"v_{node.name} = {program.expression(node)}")
-        else:
-            program.exprs[node] = f"v_{node.name}"
-            tail.append(f"v_{node.name} = {program.expression(node)}")
-    # Last in the loop, once every value their terms read is computed: the online sums, then the maxima.
-    for m, name in state.items():
-        loop += [f"MOMENTS:{m.name}", f"{name} = {name}_new"]
-    loop = _with_moments(loop, moments, state, program, online)
-    pre += [f"{var} = tl.zeros((BM, 1), tl.float32)" for var in moments.values()]
-    stores = [f"tl.store(out{j}_ptr + r64 * out{j}_s0, {_rows(program.exprs[o], program.kinds[o])}"
+                if sweep_of[m] == last and all((t.e, t.k) in ((1, 0), (1, 1), (0, 0)) for t in terms):
+                    sweep_of[node], forms[node] = last, (m, terms)
+                    continue
+            except NotGenerated:
+                pass
+        sweep_of[node] = last + 1
+    sweeps = max(sweep_of.values()) + 1
+    if sweeps > 2:
+        raise NotGenerated(f"its reductions need {sweeps} sweeps over the row (two at most)")
+
+    def ready(node):
+        """The sweep after which a row value can be computed (-1: before any)."""
+        return max((sweep_of[r] for r in program.depends[node]), default=-1)
+
+    for node in program.placeholders:
+        program.exprs[node] = node.name
+    for node in nodes:
+        program.exprs[node] = f"v_{node.name}"
+    lines = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
+             for p in program.placeholders if program.kinds[p] in (ROW, SCALAR) and _read(p)]
+    lines += _row_values(program, nodes, ready, -1)
+    for sweep in range(sweeps):
+        mine = [r for r in reductions if sweep_of[r] == sweep]
+        finished = {r for r in reductions if sweep_of[r] < sweep}
+        init, update, values = _sweep_states(program, mine, forms)
+        loop = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
+                for p in program.placeholders if program.kinds[p] in (WIDE, COL) and _read(p)]
+        loop += [f"v_{n.name} = {program.expression(n)}" for n in nodes
+                 if program.kinds[n] in (WIDE, COL) and n.target not in _REDUCTIONS
+                 and program.depends[n] <= finished]
+        lines += init + ["for start in range(0, V, BV):", "    cols = start + tl.arange(0, BV)[None, :]",
+                         "    col_ok = cols < V", "    mask = row_ok & col_ok"]
+        lines += ["    " + line for line in loop + update] + values
+        lines += _row_values(program, nodes, ready, sweep)
+    if stores:  # the last sweep: the gradient, from every row value
+        loop = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
+                for p in program.placeholders if program.kinds[p] in (WIDE, COL) and _read(p)]
+        loop += [f"v_{n.name} = {program.expression(n)}" for n in nodes
+                 if program.kinds[n] in (WIDE, COL) and n.target not in _REDUCTIONS]
+        loop += [_store(program, copy) for copy in stores]
+        lines += ["for start in range(0, V, BV):", "    cols = start + tl.arange(0, BV)[None, :]",
+                  "    col_ok = cols < V", "    mask = row_ok & col_ok"] + ["    " + line for line in loop]
+    lines += [f"tl.store(out{j}_ptr + r64 * out{j}_s0, {_rows(program.exprs[o], program.kinds[o])}"
               f".to({emit.tl_dtype(program.dtype(o))}), mask=row_ok)" for j, o in enumerate(outputs)]
     params = _parameters(program) + [p for j in range(len(outputs)) for p in (f"out{j}_ptr", f"out{j}_s0")]
-    lines = (pre + ["for start in range(0, V, BV):", "    cols = start + tl.arange(0, BV)[None, :]",
-                    "    col_ok = cols < V", "    mask = row_ok & col_ok"]
-             + ["    " + line for line in loop] + tail + stores)
     header = _HEADER.format(prelude=emit.PRELUDE, params=", ".join(params))
-    return header + "\n".join("    " + line for line in lines) + "\n", outputs
+    return header + "\n".join("    " + line for line in lines) + "\n"
 
 
-def _with_moments(loop: list[str], moments: dict, state: dict, program: _Program, online: _Online) -> list[str]:
-    """The loop with each max's `MOMENTS:` marker replaced by its online sums' update: rescale the
-    moments about the new max (`exp(old - new)`, and a first moment shifts by the zeroth), then add the
-    block's. The max used is 0 while the row is all -inf so far (its terms are 0 or NaN, as eager's)."""
-    out = []
-    for line in loop:
-        if not line.startswith("MOMENTS:"):
-            out.append(line)
-            continue
-        name = line.split(":", 1)[1]
-        m = next(n for n in state if n.name == name)
-        mine = {(t, k): v for (mm, t, k), v in moments.items() if mm is m}
-        if not mine:
-            continue
-        s = state[m]
-        a = _wide(program.arg(m.args[0]), program.kinds[m.args[0]])
-        out += [f"old_{name} = tl.where({s} == float(\"-inf\"), 0.0, {s})",
-                f"new_{name} = tl.where({s}_new == float(\"-inf\"), 0.0, {s}_new)",
-                f"delta_{name} = old_{name} - new_{name}",
-                f"alpha_{name} = tl.exp(delta_{name})",
-                f"d_{name} = {a} - new_{name}",
-                f"e_{name} = tl.exp(d_{name})"]
-        for (template, k), var in mine.items():
-            if k == 1:
-                out.append(f"{var} = alpha_{name} * ({var} + delta_{name} * {mine[(template, 0)]})")
-        for (template, k), var in mine.items():
-            if k == 0:
-                out.append(f"{var} = alpha_{name} * {var}")
-        for (template, k), var in mine.items():
-            power = f"e_{name}" if k == 0 else f"e_{name} * d_{name}"
-            contribution = template.replace("{P}", power)
-            out.append(f"{var} += tl.sum(tl.where(mask, {contribution}, 0.0), axis=1)[:, None]")
+def _read(placeholder) -> bool:
+    """A placeholder some node reads (an out slice is only written)."""
+    return any(not (u.target is aten.copy_.default and u.args[0] is placeholder) for u in placeholder.users)
+
+
+def _store(program: _Program, copy) -> str:
+    """The store of a `copy_` into a wide out slice."""
+    slot, value = copy.args
+    if slot.op != "placeholder" or program.kinds[slot] != WIDE or copy.users:
+        raise NotGenerated(f"{copy.name}: a copy into something other than a wide out slice")
+    expr = _wide(program.arg(value), program.kinds[value])
+    return (f"tl.store({slot.name}_ptr + r64 * {slot.name}_s0 + cols * {slot.name}_s1, "
+            f"({expr}).to({emit.tl_dtype(program.dtype(slot))}), mask=mask)")
+
+
+def _row_values(program: _Program, nodes, ready, sweep: int) -> list[str]:
+    """The row (and scalar) values computable once `sweep` is done (-1: before the first)."""
+    return [f"v_{n.name} = {program.expression(n)}" for n in nodes
+            if program.kinds[n] in (ROW, SCALAR, CONST) and n.target not in _REDUCTIONS and ready(n) == sweep]
+
+
+def _sweep_states(program: _Program, reductions: list, forms: dict) -> tuple[list, list, list]:
+    """For one sweep's reductions: their states' initial values, their update in the loop (after
+    every value of the block is computed), and their values after the loop."""
+    init, update, values = [], [], []
+    maxima = {}
+    moments: dict = {}  # (max, template, e, k) -> variable
+    for node in reductions:
+        source, name = node.args[0], f"s_{node.name}"
+        dtype = program.dtype(node)
+        src = _wide(program.arg(source), program.kinds[source])
+        if node.target is _AMAX:
+            maxima[node] = name
+            init += [f'{name} = tl.full((BM, 1), float("-inf"), tl.float32)', f"{name}_nan = tl.zeros((BM, 1), tl.int32)"]
+            update += [f'a_{node.name} = tl.where(mask, {src}, float("-inf"))',
+                       f"{name}_nan = {name}_nan + tl.sum((a_{node.name} != a_{node.name}).to(tl.int32), axis=1)[:, None]",
+                       f'{name}_new = tl.maximum({name}, tl.max(tl.where(a_{node.name} != a_{node.name}, float("-inf"), '
+                       f"a_{node.name}), axis=1)[:, None])"]
+            values.append(f"v_{node.name} = " + emit.rounded(f'tl.where({name}_nan > 0, float("nan"), {name})', dtype))
+        elif node in forms:
+            m, terms = forms[node]
+            parts = []
+            for t in terms:
+                for k in range(t.k + 1):  # a first moment rescales with the zeroth
+                    moments.setdefault((m, t.template, t.e, k), f"mom{len(moments)}_{m.name}")
+                parts.append(f"{t.const!r} * {moments[(m, t.template, t.e, t.k)]}")
+            # A row whose max is -inf: eager's exp(a - max) is NaN everywhere.
+            values.append(f"v_{node.name} = " + emit.rounded(
+                f'tl.where(s_{m.name} == float("-inf"), float("nan"), {" + ".join(parts)})', dtype))
+        else:
+            init.append(f"{name} = tl.zeros((BM, 1), tl.float32)")
+            if node.target is _PICK:
+                update.append(f"{name} += tl.sum(tl.where(mask & (cols == {program.arg(node.args[2])}), {src}, 0.0), "
+                              "axis=1)[:, None]")
+            else:
+                update.append(f"{name} += tl.sum(tl.where(mask, {src}, 0.0), axis=1)[:, None]")
+            value = f"tl.div_rn({name}, {float(program.vocab)!r} + tl.zeros([1], tl.float32))" \
+                if node.target is _MEAN else name
+            values.append(f"v_{node.name} = {emit.rounded(value, dtype)}")
+    init += [f"{var} = tl.zeros((BM, 1), tl.float32)" for var in moments.values()]
+    for m, name in maxima.items():
+        update += _moment_updates(program, m, name, {key[1:]: v for key, v in moments.items() if key[0] is m})
+        update.append(f"{name} = {name}_new")
+    return init, update, values
+
+
+def _moment_updates(program: _Program, m, name: str, moments: dict) -> list[str]:
+    """The online sums about max `m` (state `name`) in the loop: rescale the moments about the new max
+    (`exp(old - new)`; a first moment shifts by the zeroth too), then add the block's. While the row is
+    all -inf so far the max used is 0 (the block's terms are then 0 or NaN, as eager's)."""
+    if not moments:
+        return []
+    a = _wide(program.arg(m.args[0]), program.kinds[m.args[0]])
+    n = m.name
+    out = [f'old_{n} = tl.where({name} == float("-inf"), 0.0, {name})',
+           f'new_{n} = tl.where({name}_new == float("-inf"), 0.0, {name}_new)',
+           f"delta_{n} = old_{n} - new_{n}", f"alpha_{n} = tl.exp(delta_{n})",
+           f"d_{n} = {a} - new_{n}", f"e_{n} = tl.exp(d_{n})"]
+    for (template, e, k), var in moments.items():
+        if e == 1 and k == 1:
+            out.append(f"{var} = alpha_{n} * ({var} + delta_{n} * {moments[(template, e, 0)]})")
+    for (template, e, k), var in moments.items():
+        if e == 1 and k == 0:
+            out.append(f"{var} = alpha_{n} * {var}")
+    powers = {(1, 0): f"e_{n}", (1, 1): f"e_{n} * d_{n}", (0, 0): "1.0"}
+    for (template, e, k), var in moments.items():
+        out.append(f"{var} += tl.sum(tl.where(mask, {template.replace('{P}', powers[(e, k)])}, 0.0), axis=1)[:, None]")
     return out
 
 
@@ -560,14 +621,15 @@ class GeneratedKernel:
         if kind not in ("forward", "backward"):
             raise NotGenerated(f"the {kind} kernel is not generated (forward and backward only)")
         self.kind = kind
+        self.tiled = False  # a 2-D grid of tiles (K2), else one program per BM rows
         self.vocab = _vocab_of(gm)
         program = _Program(_torch_api.with_example_values(gm), self.vocab)
         if kind == "forward":
             self.source, self.outputs = _forward_source(program)
             self.blocks = blocks or FORWARD_BLOCKS
         else:
-            self.source, self.outputs = _backward_source(program)
-            self.blocks = blocks or BACKWARD_BLOCKS
+            self.source, self.outputs, self.tiled = _backward_source(program)
+            self.blocks = blocks or (BACKWARD_BLOCKS if self.tiled else FORWARD_BLOCKS)
         self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
         self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
@@ -605,7 +667,7 @@ class GeneratedKernel:
             b = self.blocks
             columns = min(b.columns, _next_power_of_2(self.vocab))
             grid = ((rows + b.rows - 1) // b.rows,)
-            if self.kind == "backward":
+            if self.kind == "backward" and self.tiled:
                 grid = (grid[0], (self.vocab + columns - 1) // columns)
             self.kernel[grid](*self.signature_arguments(args, outs), rows, self.vocab, BM=b.rows, BV=columns,
                               num_warps=b.warps)
