@@ -51,8 +51,8 @@ class Blocks:
 
 #: Defaults per template for a GPU: K1 streams a whole row per program (`rows` 1-4, wide blocks);
 #: K2's tiles load their row values once for 16 rows.
-FORWARD_BLOCKS = Blocks(rows=2, columns=4096, warps=8)
-BACKWARD_BLOCKS = Blocks(rows=16, columns=512, warps=4)
+FORWARD_BLOCKS = Blocks(rows=1, columns=2048, warps=8)
+BACKWARD_BLOCKS = Blocks(rows=8, columns=256, warps=4)
 
 
 # ---- what each node is ------------------------------------------------------------------------

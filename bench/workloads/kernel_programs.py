@@ -1,4 +1,5 @@
-"""Row-local programs as graphpass extracts them, for the generated kernels' tests and benchmark.
+"""Row-local programs as graphpass extracts them, for the generated kernels' tests (tests/test_kernels.py)
+and benchmark (`bench.gpu_kernels`).
 
 Each is a module computing in `compute` (fp32 for the program, float64 for the reference), and a
 function making its arguments: logits `[T, V]` first, then per-row or scalar inputs.
@@ -7,7 +8,8 @@ function making its arguments: logits `[T, V]` first, then per-row or scalar inp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from graphpass.ops.joint import ArgSpec, JointSplit
 
 
 class Program(torch.nn.Module):
@@ -100,3 +102,45 @@ def program_class(name: str) -> type:
 
 NAMES = ["LogProb", "LogProbEntropy", "LogProbEntropyPerToken", "SoftCapped", "Masked", "RoundedTemperature",
          "TeacherKL", "LabelSmoothing"]
+
+
+def split(name: str, args: list, keeps=None, wanted=(0,)) -> tuple[JointSplit, int]:
+    """Program `name` on `args` split as the op splits it (`JointSplit`), and its number of outputs."""
+    vocab = args[0].shape[-1]
+    # Per row: every 2-D argument but the vocabulary mask `[1, V]` (`Masked`), whatever the rows.
+    per_row = [a.ndim == 2 and a.dtype != torch.bool for a in args]
+    specs = [ArgSpec(tuple(a.shape), a.dtype, per_row=p, wide=p and a.shape[-1] == vocab) for a, p in zip(args, per_row)]
+    module = program_class(name)()
+    n = len(module(*args))
+    keeps = list(range(n)) if keeps is None else keeps
+    return JointSplit(torch.fx.symbolic_trace(module), specs, keeps, list(wanted), device="cpu"), n
+
+
+def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936) -> list[dict]:
+    """Each program's generated forward and backward for bf16 logits of width `vocab`, at the GPU's
+    blocks, compiled for each `sm_<arch>` (Triton's interpreter off): one row per kernel and arch."""
+    from graphpass.kernels.cross_compile import compile_for
+    from graphpass.kernels.rowwise import GeneratedKernel
+
+    rows = []
+    for name in names:
+        args = arguments(name, 2, vocab, torch.bfloat16, torch.Generator().manual_seed(0))
+        program, n = split(name, args)
+        kernels = {"forward": GeneratedKernel(program.forward, "forward"),
+                   "backward": GeneratedKernel(program.backward(tuple(range(n)), (0,)), "backward")}
+        for kind, kernel in kernels.items():
+            graph_args = [a.dtype for a in args] if kind == "forward" else \
+                [a.dtype for a in args] + [s.dtype for s in program.saved] + [torch.float32] * n + [torch.bfloat16]
+            outs = [o.meta["val"].dtype for o in kernel.outputs] if kind == "forward" else []
+            for arch in archs:
+                usage = compile_for(kernel, graph_args, outs, arch)
+                rows.append({"program": name, "kind": kind, "arch": arch, "registers": usage.registers,
+                             "stack": usage.stack, "shared": usage.shared, "fits": usage.fits,
+                             "blocks": [kernel.blocks.rows, kernel.blocks.columns, kernel.blocks.warps]})
+    return rows
+
+
+if __name__ == "__main__":  # python -m bench.workloads.kernel_programs: the cross-compile table, as JSON
+    import json
+
+    print(json.dumps(cross_compiled()))
