@@ -209,3 +209,49 @@ def test_generated_kernels_compile_for_hopper_and_blackwell_without_spills():
         assert r["registers"] > 0 and r["shared"] <= 227 * 1024, r
         known = (r["program"], r["kind"]) in _KNOWN_SPILLS
         assert (r["stack"] > 0) == known, r  # a known spill that is gone must leave the list
+
+
+def _ppo_terms(logits, targets, mask):
+    """Per-token log-prob at temperature 0.7, masked, and the entropy, as RL code writes them."""
+    logp = torch.log_softmax(logits.float() / 0.7, -1)
+    token = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token, entropy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_runs_generated_kernels_where_they_are_available(monkeypatch, dtype):
+    """Through torch.compile, with generated kernels made available on the CPU (they run in the
+    interpreter): the op's forward and backward run them, chunk by chunk, with its calling
+    convention (views of the logits, out slices), and give eager's values and gradients."""
+    import graphpass
+    from graphpass import kernels
+    from graphpass.ops import chunked_op
+
+    as_if_cuda = kernels.unavailable
+    monkeypatch.setattr(kernels, "unavailable", lambda device, enabled: as_if_cuda(torch.device("cuda"), enabled))
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(2, 5, 300, generator=generator) * 3).to(dtype)
+    targets = torch.randint(0, 300, (2, 5), generator=generator)
+    mask = (torch.rand(2, 5, generator=generator) > 0.2).float()
+    seeds = torch.randn(2, 2, 5, generator=generator)
+    results = {}
+    for name, generated in (("generated", True), ("inner", False)):
+        backend = graphpass.Backend(chunk_size=4, inner="aot_eager", strict=True, generated_kernels=generated)
+        x = logits.clone().requires_grad_(True)
+        token, entropy = torch.compile(_ppo_terms, backend=backend)(x, targets, mask)
+        torch.autograd.backward([token, entropy], list(seeds))
+        program = chunked_op.program(backend.records[0].sites[0].program_key)
+        results[name] = (token, entropy, x.grad, program)
+    token, entropy, grad, program = results["generated"]
+    assert "forward" not in program.kernel_notes and "backward" not in program.kernel_notes, program.kernel_notes
+    assert isinstance(program._forward_kernel, kernels.rowwise.GeneratedKernel)
+    assert results["inner"][3].kernel_notes["forward"] == "turned off (Config.generated_kernels=False)"
+    x = logits.clone().requires_grad_(True)
+    eager_token, eager_entropy = _ppo_terms(x, targets, mask)
+    torch.autograd.backward([eager_token, eager_entropy], list(seeds))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(token, eager_token, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, eager_entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, x.grad, **tolerance)
+    torch.testing.assert_close(grad, results["inner"][2], **tolerance)
