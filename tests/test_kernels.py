@@ -28,24 +28,12 @@ BLOCKS = Blocks(rows=4, columns=256, warps=4)
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
-    """fp32 -> bf16 casts rounded to nearest even, as on the GPU, in Triton's interpreter (which
-    truncates them); `TRITON_INTERPRET=1` is set by `conftest` before Triton is imported."""
+    """Triton's interpreter (`TRITON_INTERPRET=1`, set by `conftest` before Triton is imported), its
+    fp32 -> bf16 casts rounded as on a GPU (`kp.rounded_bf16_casts`)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET is not 1)")
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    cast = builder.cast_impl
-
-    def rounded_cast(self, src, dst_type):
-        if src.dtype.scalar == triton.language.float32 and dst_type.scalar == triton.language.bfloat16:
-            bits = torch.from_numpy(src.data.copy()).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
-            return interpreter.TensorHandle(bits, dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    builder.cast_impl = rounded_cast
-    yield
-    builder.cast_impl = cast
+    with kp.rounded_bf16_casts():
+        yield
 
 
 def _split(name: str, args: list, vocab: int, keeps=None) -> tuple[JointSplit, int]:

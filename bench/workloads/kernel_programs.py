@@ -7,6 +7,8 @@ function making its arguments: logits `[T, V]` first, then per-row or scalar inp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from graphpass.ops.joint import ArgSpec, JointSplit
@@ -104,8 +106,32 @@ NAMES = ["LogProb", "LogProbEntropy", "LogProbEntropyPerToken", "SoftCapped", "M
          "TeacherKL", "LabelSmoothing"]
 
 
-def split(name: str, args: list, keeps=None, wanted=(0,)) -> tuple[JointSplit, int]:
-    """Program `name` on `args` split as the op splits it (`JointSplit`), and its number of outputs."""
+@contextlib.contextmanager
+def rounded_bf16_casts():
+    """In Triton's interpreter (`TRITON_INTERPRET=1`), fp32 -> bf16 casts rounded to nearest even as
+    on a GPU: the interpreter truncates them (1 ulp off). For tests and the CPU smoke only."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
+
+    def rounded_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data.copy()).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = rounded_cast
+    try:
+        yield
+    finally:
+        builder.cast_impl = cast
+
+
+def split(name: str, args: list, keeps=None, wanted=(0,), device="cpu") -> tuple[JointSplit, int]:
+    """Program `name` on `args` split as the op splits it (`JointSplit`, traced for `device`), and its
+    number of outputs."""
     vocab = args[0].shape[-1]
     # Per row: every 2-D argument but the vocabulary mask `[1, V]` (`Masked`), whatever the rows.
     per_row = [a.ndim == 2 and a.dtype != torch.bool for a in args]
@@ -113,7 +139,7 @@ def split(name: str, args: list, keeps=None, wanted=(0,)) -> tuple[JointSplit, i
     module = program_class(name)()
     n = len(module(*args))
     keeps = list(range(n)) if keeps is None else keeps
-    return JointSplit(torch.fx.symbolic_trace(module), specs, keeps, list(wanted), device="cpu"), n
+    return JointSplit(torch.fx.symbolic_trace(module), specs, keeps, list(wanted), device=device), n
 
 
 def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936) -> list[dict]:
