@@ -13,6 +13,7 @@ import importlib.util
 
 import torch
 
+from graphpass.kernels import rowwise  # noqa: F401  (`kernels.rowwise.GeneratedKernel`)
 from graphpass.kernels.emit import NotGenerated
 
 __all__ = ["NotGenerated", "generate", "unavailable"]
@@ -32,6 +33,4 @@ def unavailable(device: torch.device, enabled: bool) -> str | None:
 def generate(graph: torch.fx.GraphModule, kind: str):
     """The generated kernel of a per-chunk `graph` of this `kind` ("forward" or "backward");
     NotGenerated says why there is none."""
-    from graphpass.kernels.rowwise import GeneratedKernel
-
-    return GeneratedKernel(graph, kind)
+    return rowwise.GeneratedKernel(graph, kind)

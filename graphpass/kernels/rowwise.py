@@ -49,10 +49,11 @@ class Blocks:
     warps: int
 
 
-#: Defaults per template for a GPU: K1 streams a whole row per program (`rows` 1-4, wide blocks);
-#: K2's tiles load their row values once for 16 rows.
+#: Defaults per template for a GPU, chosen by cross-compiling every test program for sm_90 and sm_100
+#: (`cross_compile`): a row sweep streams one row per program in blocks of 2048 columns; K2's tiles load
+#: their row values once for 8 rows. Twice as many elements per thread spilled (223-255 registers).
 FORWARD_BLOCKS = Blocks(rows=1, columns=2048, warps=8)
-BACKWARD_BLOCKS = Blocks(rows=8, columns=256, warps=4)
+BACKWARD_BLOCKS = Blocks(rows=8, columns=256, warps=8)
 
 
 # ---- what each node is ------------------------------------------------------------------------
@@ -400,6 +401,20 @@ def _forward_source(program: _Program) -> tuple[str, list]:
     return _swept_source(program, outputs, []), outputs
 
 
+def _fused_source(program: _Program) -> tuple[str, list]:
+    """K2f, the gradient made in the forward (`JointSplit.fused`): K1's sweeps, its row values, then a
+    last sweep writing the gradient; its source and its outputs (nodes)."""
+    graph = program.gm.graph
+    outputs = list(graph.output_node().args[0])
+    for o in outputs:
+        if not isinstance(o, torch.fx.Node) or program.kinds[o] != ROW or o.op == "placeholder":
+            raise NotGenerated(f"an output ({o}) that is not a row value computed here (a gradient summed over rows?)")
+    copies = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default]
+    if not copies:
+        raise NotGenerated("the fused kernel writes no gradient")
+    return _swept_source(program, outputs, copies), outputs
+
+
 def _swept_source(program: _Program, outputs: list, stores: list) -> str:
     """The source of a kernel that sweeps over each row of `BM` rows: K1 (`outputs`, row values) and
     the backward that sums along the row before writing its gradient (`stores`: its copies into out
@@ -618,8 +633,8 @@ class GeneratedKernel:
     """A generated Triton kernel with the calling convention of the graph it was made from."""
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str, blocks: Blocks | None = None):
-        if kind not in ("forward", "backward"):
-            raise NotGenerated(f"the {kind} kernel is not generated (forward and backward only)")
+        if kind not in ("forward", "backward", "fused"):
+            raise NotGenerated(f"the {kind} kernel is not generated (forward, backward and fused only)")
         self.kind = kind
         self.tiled = False  # a 2-D grid of tiles (K2), else one program per BM rows
         self.vocab = _vocab_of(gm)
@@ -627,13 +642,16 @@ class GeneratedKernel:
         if kind == "forward":
             self.source, self.outputs = _forward_source(program)
             self.blocks = blocks or FORWARD_BLOCKS
+        elif kind == "fused":
+            self.source, self.outputs = _fused_source(program)
+            self.blocks = blocks or FORWARD_BLOCKS
         else:
             self.source, self.outputs, self.tiled = _backward_source(program)
             self.blocks = blocks or (BACKWARD_BLOCKS if self.tiled else FORWARD_BLOCKS)
         self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
         self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
-            if kind == "forward" else []
+            if kind in ("forward", "fused") else []
         self._kernel = None
 
     @property
@@ -662,6 +680,9 @@ class GeneratedKernel:
     def __call__(self, *args):
         rows = args[self.wide].shape[0]
         device = args[self.wide].device
+        # A 0-d scalar left on the host (a temperature) is read by the kernel: it must be on the device.
+        args = [a.to(device, non_blocking=True) if isinstance(a, torch.Tensor) and a.device != device and a.ndim == 0
+                else a for a in args]
         outs = [torch.empty((rows, *tail), dtype=dtype, device=device) for tail, dtype in self._out_specs]
         if rows:
             b = self.blocks

@@ -137,6 +137,20 @@ class RegionProgram:
         """Rows per chunk for these inputs; here forward and backward chunk alike."""
         return self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
 
+    def _rows_per_call(self, kernel, tensors, rows: int, vocab: int, backward: bool) -> int:
+        """Rows per call of `kernel`: every row at once for a generated kernel over given wide inputs
+        when no chunk size is configured (it allocates its narrow outputs only, and each call costs
+        the host a launch), else a chunk's."""
+        if isinstance(kernel, kernels.rowwise.GeneratedKernel) and self.chunk_size is None \
+                and not self._chunks_compute_wide_inputs():
+            return rows
+        return self._chunk_rows(tensors, rows, vocab, backward)
+
+    def _chunks_compute_wide_inputs(self) -> bool:
+        """True where a chunk's wide inputs are computed for it (a frozen head's logits): then its rows
+        bound that memory."""
+        return bool(self.frozen_heads)
+
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
         """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs (and a chunk
         of each frozen head's logits)."""
@@ -243,7 +257,7 @@ class RegionProgram:
         if rows:
             # First: compiling it (for the chunk's rows as far as known) tells its temporaries.
             kernel = self._get_forward_kernel(self._chunk_rows(tensors, rows, vocab, backward=False))
-            chunk = self._chunk_rows(tensors, rows, vocab, backward=False)
+            chunk = self._rows_per_call(kernel, tensors, rows, vocab, backward=False)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
                     for out, value in zip(outs, kernel(*self._kernel_args(tensors, args, sl))):
@@ -335,7 +349,7 @@ class RegionProgram:
             hint = self._chunk_rows(tensors, rows, vocab, backward=True)
             kernel = (self._get_gradient_kernel("fused", reduced, wanted, hint) if wanted
                       else self._get_forward_kernel(hint))
-            chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
+            chunk = self._rows_per_call(kernel, tensors, rows, vocab, backward=True)
             sinks, sums = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
             n = len(self.outputs)
             with torch.no_grad():
@@ -388,7 +402,7 @@ class RegionProgram:
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
         # First: compiling it (for the chunk's rows as far as known) tells its temporaries.
         kernel = self._get_gradient_kernel("backward", active, wanted, self._chunk_rows(tensors, rows, vocab, True))
-        chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
+        chunk = self._rows_per_call(kernel, tensors, rows, vocab, backward=True)
         row_values = [*saved, *flat_grad_outputs]
         sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk,
                                                     backward=(active, row_values))
