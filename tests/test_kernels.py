@@ -288,10 +288,12 @@ def test_the_gradient_made_in_forward_is_as_close_to_float64_as_eager(name):
     _within_eager(name, gradient, eager_grad, exact_grad, torch.bfloat16)
 
 
-def test_an_lm_head_loss_makes_its_gradient_in_forward_with_the_generated_fused_kernel(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_lm_head_loss_makes_its_gradient_in_forward_with_the_generated_fused_kernel(monkeypatch, dtype):
     """A loss summed over tokens from hidden states: the op computes each row block's logits and, with
     the generated K2f, their gradient in the forward (`forward_with_gradients`); values and the hidden
-    states' and weight's gradients match eager's."""
+    states' and weight's gradients match eager's. With a bf16 weight the fused kernel also writes the
+    row values a second pass over vocabulary tiles reads (`fused_saving`)."""
     import graphpass
     from graphpass import kernels
     from graphpass.ops import chunked_op
@@ -299,8 +301,8 @@ def test_an_lm_head_loss_makes_its_gradient_in_forward_with_the_generated_fused_
     as_if_cuda = kernels.unavailable
     monkeypatch.setattr(kernels, "unavailable", lambda device, enabled: as_if_cuda(torch.device("cuda"), enabled))
     generator = torch.Generator().manual_seed(8)
-    hidden = torch.randn(2, 6, 16, generator=generator)
-    weight = torch.randn(300, 16, generator=generator) * 0.3
+    hidden = torch.randn(2, 6, 16, generator=generator).to(dtype)
+    weight = (torch.randn(300, 16, generator=generator) * 0.3).to(dtype)
     targets = torch.randint(0, 300, (2, 6), generator=generator)
     mask = (torch.rand(2, 6, generator=generator) > 0.2).float()
 
@@ -321,6 +323,8 @@ def test_an_lm_head_loss_makes_its_gradient_in_forward_with_the_generated_fused_
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     expected = loss(h2, w2, targets, mask)
     expected.backward()
+    if dtype == torch.bfloat16:
+        assert program._saving_wanted  # the two passes: row blocks, then vocabulary tiles
     torch.testing.assert_close(value, expected)
     torch.testing.assert_close(h.grad, h2.grad)
     torch.testing.assert_close(w.grad, w2.grad)

@@ -402,8 +402,9 @@ def _forward_source(program: _Program) -> tuple[str, list]:
 
 
 def _fused_source(program: _Program) -> tuple[str, list]:
-    """K2f, the gradient made in the forward (`JointSplit.fused`): K1's sweeps, its row values, then a
-    last sweep writing the gradient; its source and its outputs (nodes)."""
+    """K2f, the gradient made in the forward (`JointSplit.fused`, and `fused_saving`, which also writes row
+    values into row out slices): K1's sweeps, its row values, then a last sweep writing the gradient;
+    its source and its outputs (nodes)."""
     graph = program.gm.graph
     outputs = list(graph.output_node().args[0])
     for o in outputs:
@@ -478,6 +479,10 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
                          "    col_ok = cols < V", "    mask = row_ok & col_ok"]
         lines += ["    " + line for line in loop + update] + values
         lines += _row_values(program, nodes, ready, sweep)
+    row_stores = [c for c in stores if program.kinds[c.args[0]] != WIDE]
+    # Row values into their out slices (`JointSplit.fused_saving`'s, for a later pass over column tiles).
+    lines += [_row_store(program, copy) for copy in row_stores]
+    stores = [c for c in stores if c not in row_stores]
     if stores:  # the last sweep: the gradient, from every row value
         loop = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
                 for p in program.placeholders if program.kinds[p] in (WIDE, COL) and _read(p)]
@@ -506,6 +511,16 @@ def _store(program: _Program, copy) -> str:
     expr = _wide(program.arg(value), program.kinds[value])
     return (f"tl.store({slot.name}_ptr + r64 * {slot.name}_s0 + cols * {slot.name}_s1, "
             f"({expr}).to({emit.tl_dtype(program.dtype(slot))}), mask=mask)")
+
+
+def _row_store(program: _Program, copy) -> str:
+    """The store of a `copy_` of a row value into a row out slice."""
+    slot, value = copy.args
+    if slot.op != "placeholder" or program.kinds[slot] != ROW or copy.users or program.kinds.get(value) == WIDE:
+        raise NotGenerated(f"{copy.name}: a copy into something other than an out slice")
+    return (f"tl.store({slot.name}_ptr + r64 * {slot.name}_s0, "
+            f"{_rows(program.arg(value), program.kinds.get(value, CONST))}.to({emit.tl_dtype(program.dtype(slot))}), "
+            "mask=row_ok)")
 
 
 def _row_values(program: _Program, nodes, ready, sweep: int) -> list[str]:
@@ -633,7 +648,7 @@ class GeneratedKernel:
     """A generated Triton kernel with the calling convention of the graph it was made from."""
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str, blocks: Blocks | None = None):
-        if kind not in ("forward", "backward", "fused"):
+        if kind not in ("forward", "backward", "fused", "fused_saving"):
             raise NotGenerated(f"the {kind} kernel is not generated (forward, backward and fused only)")
         self.kind = kind
         self.tiled = False  # a 2-D grid of tiles (K2), else one program per BM rows
@@ -642,7 +657,7 @@ class GeneratedKernel:
         if kind == "forward":
             self.source, self.outputs = _forward_source(program)
             self.blocks = blocks or FORWARD_BLOCKS
-        elif kind == "fused":
+        elif kind in ("fused", "fused_saving"):
             self.source, self.outputs = _fused_source(program)
             self.blocks = blocks or FORWARD_BLOCKS
         else:
@@ -651,7 +666,7 @@ class GeneratedKernel:
         self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
         self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
-            if kind in ("forward", "fused") else []
+            if kind != "backward" else []
         self._kernel = None
 
     @property
