@@ -270,10 +270,11 @@ def trace_decomposed(fn, args) -> torch.fx.GraphModule:
     return make_fx(fn, decomposition_table=table)(*args)
 
 
-def with_example_values(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def with_example_values(gm: torch.fx.GraphModule, scalars: dict | None = None) -> torch.fx.GraphModule:
     """A copy of a per-chunk graph whose every node has its example value (`meta["val"]`), rows
     symbolic: propagated on fakes shaped as its placeholders' values (rewrites such as the peephole's
-    add nodes without one)."""
+    add nodes without one); `scalars` (name -> dtype) names placeholders that have none, 0-d (a
+    column tile's `column_offset`)."""
     import copy
 
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -283,6 +284,8 @@ def with_example_values(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     with fake_mode:
         fakes = []
         for node in copied.graph.find_nodes(op="placeholder"):
+            if "val" not in node.meta and node.name in (scalars or {}):
+                node.meta["val"] = torch.empty((), dtype=scalars[node.name])
             val = node.meta["val"]
             shape = [s if isinstance(s, int) else rows for s in val.shape]
             fakes.append(torch.empty(shape, dtype=val.dtype, device=val.device))

@@ -149,7 +149,7 @@ def test_sums_along_the_row_in_backward_sweep_the_row_twice():
                            .backward((0,), (0,)), "backward").tiled
 
 
-def test_gradients_summed_over_rows_and_column_tiles_are_not_generated():
+def test_gradients_summed_over_rows_are_not_generated():
     specs = [ArgSpec((3, 50), torch.float32, True, True), ArgSpec((3, 1), torch.int64, True, False),
              ArgSpec((), torch.float32, False, False)]
     split = JointSplit(torch.fx.symbolic_trace(kp.LogProbEntropy()), specs, [0, 1], [0, 2], device="cpu")
@@ -158,8 +158,26 @@ def test_gradients_summed_over_rows_and_column_tiles_are_not_generated():
         GeneratedKernel(split.backward((0, 1), (0, 2)), "backward")
     with pytest.raises(NotGenerated, match="sum"):
         GeneratedKernel(split.fused((0, 1), (0, 2)), "fused")
-    with pytest.raises(NotGenerated, match="not generated"):
-        GeneratedKernel(split.column_tile((0, 1), (0,)), "column_tile")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_column_tile_kernel_writes_the_gradient_of_its_columns(dtype):
+    """The lm_head's second pass (`JointSplit.column_tile`): the backward on columns [start, stop) of
+    the logits, its offset read at run time, the tile's gradient as the whole backward's columns, bit
+    for bit."""
+    generator = torch.Generator().manual_seed(9)
+    args = kp.arguments("LogProbEntropy", 6, 700, dtype, generator)
+    split, n = _split("LogProbEntropy", args, 700)
+    active = tuple(range(n))
+    saved = split.forward(*args)[n:]
+    grads = [torch.randn(6, 1, generator=generator) for _ in active]
+    whole = torch.empty_like(args[0])  # the generated backward over all columns: the same arithmetic
+    GeneratedKernel(split.backward(active, (0,)), "backward", BLOCKS)(*args, *saved, *grads, whole)
+    kernel = GeneratedKernel(split.column_tile(active, (0,)), "column_tile", BLOCKS)
+    for start, stop in ((0, 256), (300, 651), (651, 700)):
+        tile = torch.empty(6, stop - start, dtype=dtype)
+        kernel(args[0][:, start:stop], *args[1:], *saved, *grads, tile, torch.tensor(start))
+        torch.testing.assert_close(tile, whole[:, start:stop], rtol=0, atol=0)
 
 
 def test_generated_kernels_run_on_cuda_only_with_triton_and_the_switch_on():
@@ -323,8 +341,10 @@ def test_an_lm_head_loss_makes_its_gradient_in_forward_with_the_generated_fused_
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     expected = loss(h2, w2, targets, mask)
     expected.backward()
-    if dtype == torch.bfloat16:
-        assert program._saving_wanted  # the two passes: row blocks, then vocabulary tiles
+    if dtype == torch.bfloat16:  # the two passes: row blocks, then vocabulary tiles, both generated
+        assert program._saving_wanted and "column_tile" not in program.kernel_notes
+        assert any(k[0] == "column_tile" and isinstance(v, kernels.rowwise.GeneratedKernel)
+                   for k, v in program._gradient_kernels.items()), program._gradient_kernels
     torch.testing.assert_close(value, expected)
     torch.testing.assert_close(h.grad, h2.grad)
     torch.testing.assert_close(w.grad, w2.grad)

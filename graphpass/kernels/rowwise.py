@@ -126,6 +126,8 @@ class _Program:
         if target is aten.sym_size.int:
             return "0"  # only ever a shape argument, which broadcasting makes unnecessary
         if target is aten.arange.default:
+            if _is_row_width(args[0] if args else None, self):  # a column tile's: arange(width) + offset
+                return "cols"
             if (len(args) != 1 or args[0] != self.vocab or kwargs.get("dtype", torch.int64) not in (torch.int64, torch.int32)
                     or kwargs.get("start", 0) != 0):
                 raise NotGenerated(f"{node.name}: an arange other than over the row's columns")
@@ -179,6 +181,12 @@ class _Program:
                 raise NotGenerated(f"{node.name}: a cast from {src} to {dst}")
             return expr
         return expr
+
+
+def _is_row_width(a, program: _Program) -> bool:
+    """`a` is `sym_size(x, 1)` of a wide value x: the width of the columns a kernel runs on."""
+    return (isinstance(a, torch.fx.Node) and a.target is aten.sym_size.int and a.args[1] in (1, -1)
+            and program.kinds.get(a.args[0]) == WIDE)
 
 
 # ---- loads and stores ----------------------------------------------------------------------------
@@ -648,12 +656,12 @@ class GeneratedKernel:
     """A generated Triton kernel with the calling convention of the graph it was made from."""
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str, blocks: Blocks | None = None):
-        if kind not in ("forward", "backward", "fused", "fused_saving"):
-            raise NotGenerated(f"the {kind} kernel is not generated (forward, backward and fused only)")
+        if kind not in ("forward", "backward", "fused", "fused_saving", "column_tile"):
+            raise NotGenerated(f"the {kind} kernel is not generated")
         self.kind = kind
         self.tiled = False  # a 2-D grid of tiles (K2), else one program per BM rows
         self.vocab = _vocab_of(gm)
-        program = _Program(_torch_api.with_example_values(gm), self.vocab)
+        program = _Program(_torch_api.with_example_values(gm, {"column_offset": torch.int64}), self.vocab)
         if kind == "forward":
             self.source, self.outputs = _forward_source(program)
             self.blocks = blocks or FORWARD_BLOCKS
@@ -663,10 +671,12 @@ class GeneratedKernel:
         else:
             self.source, self.outputs, self.tiled = _backward_source(program)
             self.blocks = blocks or (BACKWARD_BLOCKS if self.tiled else FORWARD_BLOCKS)
+            if kind == "column_tile" and not self.tiled:
+                raise NotGenerated("a column tile's backward that sums along the row")
         self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
         self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
-            if kind != "backward" else []
+            if kind in ("forward", "fused", "fused_saving") else []
         self._kernel = None
 
     @property
@@ -699,13 +709,18 @@ class GeneratedKernel:
         args = [a.to(device, non_blocking=True) if isinstance(a, torch.Tensor) and a.device != device and a.ndim == 0
                 else a for a in args]
         outs = [torch.empty((rows, *tail), dtype=dtype, device=device) for tail, dtype in self._out_specs]
-        if rows:
+        # A column tile's kernel runs on the tile's columns (its graph reads their offset); any other on
+        # the graph's vocabulary.
+        width = args[self.wide].shape[-1]
+        if self.kind != "column_tile" and width != self.vocab:
+            raise ValueError(f"graphpass: a generated kernel for rows of {self.vocab} called on rows of {width}")
+        if rows and width:
             b = self.blocks
-            columns = min(b.columns, _next_power_of_2(self.vocab))
+            columns = min(b.columns, _next_power_of_2(width))
             grid = ((rows + b.rows - 1) // b.rows,)
-            if self.kind == "backward" and self.tiled:
-                grid = (grid[0], (self.vocab + columns - 1) // columns)
-            self.kernel[grid](*self.signature_arguments(args, outs), rows, self.vocab, BM=b.rows, BV=columns,
+            if self.tiled:
+                grid = (grid[0], (width + columns - 1) // columns)
+            self.kernel[grid](*self.signature_arguments(args, outs), rows, width, BM=b.rows, BV=columns,
                               num_warps=b.warps)
         return tuple(outs)
 
