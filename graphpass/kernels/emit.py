@@ -132,7 +132,8 @@ def _clamp(x, lo="None", hi="None"):
 
 
 def _sign(a):
-    return f"tl.where({a} > 0, 1.0, tl.where({a} < 0, -1.0, {a}))"
+    # torch's (0 < x) - (x < 0): 0 for NaN and for both zeros.
+    return f"(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))"
 
 
 #: aten op -> (argument expressions -> Triton expression); float math in fp32 (see the module doc).
