@@ -283,7 +283,8 @@ def test_without_a_chunk_size_a_generated_kernel_runs_once_over_all_rows(monkeyp
     backend = graphpass.Backend(inner="aot_eager", strict=True, chunk_budget_bytes=4 * 200 * 4)
     token, entropy = torch.compile(_ppo_terms, backend=backend)(logits, targets, torch.ones(3, 7))
     (token.sum() + entropy.sum()).backward()
-    assert calls == [("forward", 21), ("backward", 21)]
+    # Each first compiled and run on 16 rows of zeros (`compile_now`), then once over all 21 rows.
+    assert calls == [("forward", 16), ("forward", 21), ("backward", 16), ("backward", 21)]
 
 
 @pytest.mark.parametrize("name", ["LogProbEntropy", "TeacherKL", "SoftCapped"])
@@ -394,3 +395,31 @@ def test_each_emitted_op_gives_torchs_value_on_special_values_too(name):
     out = torch.empty_like(x)
     GeneratedKernel(_elementwise(f, len(inputs)), "backward", BLOCKS)(*inputs, out)
     torch.testing.assert_close(out, f(*inputs), rtol=4e-7, atol=1e-37, equal_nan=True)
+
+
+def test_a_kernel_triton_cannot_compile_leaves_the_inner_compilers_kernel(monkeypatch):
+    """A generated kernel is compiled and run once on zeros when it is made: a failure there (here a
+    stand-in for Triton's) keeps the inner compiler's kernel, the reason recorded, never a failing op."""
+    import graphpass
+    from graphpass import kernels
+    from graphpass.ops import chunked_op
+
+    as_if_cuda = kernels.unavailable
+    monkeypatch.setattr(kernels, "unavailable", lambda device, enabled: as_if_cuda(torch.device("cuda"), enabled))
+
+    def fails(self, device, rows=16):
+        raise RuntimeError("PTXAS error: a stand-in")
+
+    monkeypatch.setattr(kernels.rowwise.GeneratedKernel, "compile_now", fails)
+    logits = torch.randn(3, 7, 200).requires_grad_(True)
+    targets = torch.randint(0, 200, (3, 7))
+    backend = graphpass.Backend(inner="aot_eager", strict=True)
+    token, entropy = torch.compile(_ppo_terms, backend=backend)(logits, targets, torch.ones(3, 7))
+    (token.sum() + entropy.sum()).backward()
+    program = chunked_op.program(backend.records[0].sites[0].program_key)
+    assert program.kernel_notes["forward"] == "Triton could not compile or run it: RuntimeError: PTXAS error: a stand-in"
+    assert "PTXAS" in program.kernel_notes["backward"]
+    expected = logits.detach().clone().requires_grad_(True)
+    eager_token, eager_entropy = _ppo_terms(expected, targets, torch.ones(3, 7))
+    (eager_token.sum() + eager_entropy.sum()).backward()
+    torch.testing.assert_close(logits.grad, expected.grad)

@@ -674,6 +674,7 @@ class GeneratedKernel:
             if kind == "column_tile" and not self.tiled:
                 raise NotGenerated("a column tile's backward that sums along the row")
         self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
+        self._examples = [(tuple(p.meta["val"].shape), p.meta["val"].dtype) for p in program.placeholders]
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
         self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
             if kind in ("forward", "fused", "fused_saving") else []
@@ -684,6 +685,13 @@ class GeneratedKernel:
         if self._kernel is None:
             self._kernel = _kernel_of(self.source)
         return self._kernel
+
+    def compile_now(self, device, rows: int = 16) -> None:
+        """Compile and run the kernel once on zeros of `rows` rows on `device`, so that a kernel Triton
+        cannot compile fails here, where its caller can take another, rather than in a later call."""
+        zeros = [torch.zeros([s if isinstance(s, int) else rows for s in shape], dtype=dtype, device=device)
+                 for shape, dtype in self._examples]
+        self(*zeros)
 
     def signature_arguments(self, args, outs=()) -> list:
         """The kernel's arguments for the graph's `args` (and K1's outputs `outs`), before T and V."""

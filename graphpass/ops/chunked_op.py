@@ -299,18 +299,21 @@ class RegionProgram:
         return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback, rows=rows)
 
     def _generated(self, kind: str, graph_module):
-        """The kernel `graphpass.kernels` generates for `graph_module` (a `kind` of kernel), or None,
-        the reason in `kernel_notes`."""
+        """The kernel `graphpass.kernels` generates for `graph_module` (a `kind` of kernel), compiled
+        and run once on zeros, or None, the reason in `kernel_notes`."""
         reason = kernels.unavailable(self.device, self.generated_kernels)
         if reason is None:
             try:
                 kernel = kernels.generate(graph_module, kind)
+                kernel.compile_now(self.device)
                 kernel.temporary_bytes = 0  # it allocates nothing but its outputs
                 return kernel
             except kernels.NotGenerated as e:
                 reason = str(e)
-                log.info("graphpass: the %s kernel of region program %s is compiled by %s, not "
-                                    "generated: %s", kind, self.key, self.inner, reason)
+            except Exception as e:  # noqa: BLE001 - Triton failed on it: the inner compiler's kernel runs
+                reason = f"Triton could not compile or run it: {type(e).__name__}: {e}".splitlines()[0]
+            log.info("graphpass: the %s kernel of region program %s is compiled by %s, not generated: %s",
+                     kind, self.key, self.inner, reason)
         self.kernel_notes[kind] = reason
         return None
 
