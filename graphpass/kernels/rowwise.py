@@ -195,11 +195,11 @@ def _load(name: str, kind: str, dtype: torch.dtype, mask: str) -> str:
     the interpreter holds bf16 as raw bits)."""
     widen = ".to(tl.float32)" if dtype.is_floating_point else ""
     if kind == WIDE:
-        return f"tl.load({name}_ptr + r64 * {name}_s0 + cols * {name}_s1, mask={mask}, other=0){widen}"
+        return f"tl.load({name}_ptr + r64 * {name}_s0 + c64 * {name}_s1, mask={mask}, other=0){widen}"
     if kind == ROW:
         return f"tl.load({name}_ptr + r64 * {name}_s0, mask=row_ok, other=0){widen}"
     if kind == COL:
-        return f"tl.load({name}_ptr + cols * {name}_s1, mask=col_ok, other=0){widen}"
+        return f"tl.load({name}_ptr + c64 * {name}_s1, mask=col_ok, other=0){widen}"
     return f"tl.load({name}_ptr){widen}"
 
 
@@ -238,7 +238,7 @@ import triton.language as tl
 def kernel({params}, T, V, BM: tl.constexpr, BV: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
     row_ok = rows < T
-    r64 = rows.to(tl.int64)
+    r64 = rows.to(tl.int64)  # element offsets in int64: rows x V passes 2^31 (32768 x 151936)
 """
 
 
@@ -260,6 +260,7 @@ def _backward_source(program: _Program) -> tuple[str, list, bool]:
 def _tile_source(program: _Program) -> tuple[str, list]:
     """K2's source and the out slices it writes (placeholders), in the graph's order."""
     body = ["    cols = tl.program_id(1) * BV + tl.arange(0, BV)[None, :]", "    col_ok = cols < V",
+            "    c64 = cols.to(tl.int64)",
             "    mask = row_ok & col_ok"]
     stores = []
     for node in program.gm.graph.nodes:
@@ -484,6 +485,7 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
                  if program.kinds[n] in (WIDE, COL) and n.target not in _REDUCTIONS
                  and program.depends[n] <= finished]
         lines += init + ["for start in range(0, V, BV):", "    cols = start + tl.arange(0, BV)[None, :]",
+                  "    c64 = cols.to(tl.int64)",
                          "    col_ok = cols < V", "    mask = row_ok & col_ok"]
         lines += ["    " + line for line in loop + update] + values
         lines += _row_values(program, nodes, ready, sweep)
@@ -498,6 +500,7 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
                  if program.kinds[n] in (WIDE, COL) and n.target not in _REDUCTIONS]
         loop += [_store(program, copy) for copy in stores]
         lines += ["for start in range(0, V, BV):", "    cols = start + tl.arange(0, BV)[None, :]",
+                  "    c64 = cols.to(tl.int64)",
                   "    col_ok = cols < V", "    mask = row_ok & col_ok"] + ["    " + line for line in loop]
     lines += [f"tl.store(out{j}_ptr + r64 * out{j}_s0, {_rows(program.exprs[o], program.kinds[o])}"
               f".to({emit.tl_dtype(program.dtype(o))}), mask=row_ok)" for j, o in enumerate(outputs)]
@@ -517,7 +520,7 @@ def _store(program: _Program, copy) -> str:
     if slot.op != "placeholder" or program.kinds[slot] != WIDE or copy.users:
         raise NotGenerated(f"{copy.name}: a copy into something other than a wide out slice")
     expr = _wide(program.arg(value), program.kinds[value])
-    return (f"tl.store({slot.name}_ptr + r64 * {slot.name}_s0 + cols * {slot.name}_s1, "
+    return (f"tl.store({slot.name}_ptr + r64 * {slot.name}_s0 + c64 * {slot.name}_s1, "
             f"({expr}).to({emit.tl_dtype(program.dtype(slot))}), mask=mask)")
 
 
