@@ -423,3 +423,14 @@ def test_a_kernel_triton_cannot_compile_leaves_the_inner_compilers_kernel(monkey
     eager_token, eager_entropy = _ppo_terms(expected, targets, torch.ones(3, 7))
     (eager_token.sum() + eager_entropy.sum()).backward()
     torch.testing.assert_close(logits.grad, expected.grad)
+
+
+def test_float64_logits_are_not_generated():
+    """The kernels compute in fp32: a float64 row is the inner compiler's, never silently rounded."""
+    args = kp.arguments("LogProb", 3, 50, torch.float32, torch.Generator().manual_seed(10))
+    args[0] = args[0].double()
+    split, n = _split("LogProb", args, 50)
+    with pytest.raises(NotGenerated, match="float64"):
+        GeneratedKernel(split.forward, "forward")
+    with pytest.raises(NotGenerated, match="float64"):
+        GeneratedKernel(split.backward((0,), (0,)), "backward")

@@ -89,13 +89,17 @@ class _Program:
         self.depends: dict = {}  # node -> the reductions it depends on
         self.placeholders = list(gm.graph.find_nodes(op="placeholder"))
         for node in gm.graph.nodes:
+            if node.op not in ("placeholder", "call_function"):
+                continue
+            self.kinds[node] = self._call_kind(node) if node.op == "call_function" else _kind(node.meta.get("val"), vocab)
+            if self.kinds[node] not in (SCALAR, CONST) and node.meta["val"].dtype == torch.float64:
+                # Computed in fp32 here; only a runtime scalar (a temperature) is cast to fp32 as it is read.
+                raise NotGenerated(f"{node.name} is float64")
             if node.op == "placeholder":
-                self.kinds[node] = _kind(node.meta.get("val"), vocab)
                 if self.kinds[node] == CONST:
                     raise NotGenerated(f"placeholder {node.name} is not a tensor")
                 self.depends[node] = frozenset()
-            elif node.op == "call_function":
-                self.kinds[node] = self._call_kind(node)
+            else:
                 inputs = [self.depends[a] for a in node.all_input_nodes if a in self.depends]
                 own = frozenset({node}) if node.target in _REDUCTIONS else frozenset()
                 self.depends[node] = own.union(*inputs)
