@@ -327,7 +327,7 @@ class _Online:
             raise NotGenerated(why)
         if target in (aten.sub.Tensor,) and isinstance(args[1], torch.fx.Node) and args[1].target is _AMAX \
                 and args[1].args[0] is args[0] and self._free(args[0]) and not node.kwargs:
-            return args[1], [_Term(0, 1, 1.0, "{P}")]
+            return self._first_alike(args[1]), [_Term(0, 1, 1.0, "{P}")]
         if target is aten.exp.default:
             m, terms = self.form(args[0])
             if len(terms) != 1 or (terms[0].e, terms[0].k, terms[0].const, terms[0].template) != (0, 1, 1.0, "{P}"):
@@ -349,12 +349,15 @@ class _Online:
             return m1, t1 + [dataclasses.replace(t, const=sign * t.const) for t in t2]
         if target in (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar):
             return self._product(node, why)
-        if target in (aten.where.self, aten.where.ScalarOther) and self._free(args[0]) and args[2] == 0 \
-                or (target is aten.where.self and _is_zero(args[2])):
+        if target in (aten.where.self, aten.where.ScalarOther) and self._free(args[0]) and _is_zero(args[2]):
             m, terms = self.form(args[1])
             mask = program.arg(args[0])
             return m, [_Term(t.e, t.k, 1.0, f"tl.where({mask}, {t.const!r} * ({t.template}), 0.0)", True) for t in terms]
         raise NotGenerated(why)
+
+    def _first_alike(self, m):
+        """The first amax in the graph that is `m`'s (same input and arguments): traces repeat a max."""
+        return next(n for n in m.graph.nodes if n.target is _AMAX and n.args == m.args and n.kwargs == m.kwargs)
 
     def _plain(self, a):
         """A free value as a term of no max (a plain sum's summand)."""
@@ -401,7 +404,10 @@ class _Online:
 
 
 def _is_zero(a) -> bool:
-    return isinstance(a, (int, float)) and a == 0
+    """A zero: a number, or a scalar_tensor / full of one."""
+    if isinstance(a, torch.fx.Node) and a.target in (aten.scalar_tensor.default, aten.full.default):
+        a = a.args[0] if a.target is aten.scalar_tensor.default else a.args[1]
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0
 
 
 def _forward_source(program: _Program) -> tuple[str, list]:
@@ -444,6 +450,10 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
     reductions = [n for n in nodes if n.target in _REDUCTIONS]
     if not reductions:
         raise NotGenerated("the forward has no reduction over the row")
+    for node in program.placeholders:
+        program.exprs[node] = node.name
+    for node in nodes:
+        program.exprs[node] = f"v_{node.name}"
     sweep_of: dict = {}  # reduction -> its sweep
     forms: dict = {}  # online sum -> (its max, terms)
     for node in reductions:
@@ -472,10 +482,6 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
         """The sweep after which a row value can be computed (-1: before any)."""
         return max((sweep_of[r] for r in program.depends[node]), default=-1)
 
-    for node in program.placeholders:
-        program.exprs[node] = node.name
-    for node in nodes:
-        program.exprs[node] = f"v_{node.name}"
     lines = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
              for p in program.placeholders if program.kinds[p] in (ROW, SCALAR) and _read(p)]
     lines += _row_values(program, nodes, ready, -1)
