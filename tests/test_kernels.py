@@ -191,7 +191,8 @@ def test_generated_kernels_run_on_cuda_only_with_triton_and_the_switch_on():
 # Each program's kernels for Hopper; two programs' (one swept, one tiled backward) for Blackwell too.
 _CROSS_COMPILE = ("from bench.workloads import kernel_programs as kp; import json; "
                   "print(json.dumps(kp.cross_compiled(archs=(90,)) + "
-                  "kp.cross_compiled(['LogProbEntropy', 'TeacherKL'], archs=(100,))))")
+                  "kp.cross_compiled(['LogProbEntropy', 'TeacherKL'], archs=(100,)) + "
+                  "kp.cross_compiled(['LogProbEntropy'], kinds=('fused', 'column_tile'))))")
 # Triton version -> kernels that spill there. 3.6: a where(column == index, g, 0) summed along the row beside
 # other terms, in a kernel that sweeps the row twice, keeps a 5-10 KB stack frame at every block tried
 # (1-2 x 1024-2048 columns); 3.8 compiles it without. Slower, not wrong.
@@ -200,8 +201,9 @@ _KNOWN_SPILLS = {"3.6": {("LabelSmoothing", "backward")}}
 
 def test_generated_kernels_compile_for_hopper_and_blackwell_without_spills():
     """Every program's forward and backward, at the GPU's blocks and a 151936-wide bf16 row, compiles
-    for sm_90 (and two for sm_100) with Triton's bundled compiler, in a process whose interpreter is
-    off: no stack frame (no spills), shared memory within 227 KB."""
+    for sm_90 (two for sm_100; a fused and a column-tile kernel for both) with Triton's bundled
+    compiler, in a process whose interpreter is off: no stack frame (no spills), shared memory within
+    227 KB."""
     import json
     import subprocess
     import sys
@@ -214,7 +216,8 @@ def test_generated_kernels_compile_for_hopper_and_blackwell_without_spills():
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert {(r["program"], r["kind"], r["arch"]) for r in rows} == (
         {(name, kind, 90) for name in kp.NAMES for kind in ("forward", "backward")}
-        | {(name, kind, 100) for name in ("LogProbEntropy", "TeacherKL") for kind in ("forward", "backward")})
+        | {(name, kind, 100) for name in ("LogProbEntropy", "TeacherKL") for kind in ("forward", "backward")}
+        | {("LogProbEntropy", kind, arch) for kind in ("fused", "column_tile") for arch in (90, 100)})
     for r in rows:
         assert r["registers"] > 0 and r["shared"] <= 227 * 1024, r
         known = (r["program"], r["kind"]) in _KNOWN_SPILLS.get(".".join(triton.__version__.split(".")[:2]), ())

@@ -142,9 +142,11 @@ def split(name: str, args: list, keeps=None, wanted=(0,), device="cpu") -> tuple
     return JointSplit(torch.fx.symbolic_trace(module), specs, keeps, list(wanted), device=device), n
 
 
-def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936) -> list[dict]:
-    """Each program's generated forward and backward for bf16 logits of width `vocab`, at the GPU's
-    blocks, compiled for each `sm_<arch>` (Triton's interpreter off): one row per kernel and arch."""
+def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936,
+                   kinds=("forward", "backward")) -> list[dict]:
+    """Each program's generated kernels of these `kinds` ("forward", "backward", "fused", "column_tile")
+    for bf16 logits of width `vocab`, at the GPU's blocks, compiled for each `sm_<arch>` (Triton's
+    interpreter off): one row per kernel and arch."""
     from graphpass.kernels.cross_compile import compile_for
     from graphpass.kernels.rowwise import GeneratedKernel
 
@@ -152,14 +154,13 @@ def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936) -> list[di
     for name in names:
         args = arguments(name, 2, vocab, torch.bfloat16, torch.Generator().manual_seed(0))
         program, n = split(name, args)
-        kernels = {"forward": GeneratedKernel(program.forward, "forward"),
-                   "backward": GeneratedKernel(program.backward(tuple(range(n)), (0,)), "backward")}
-        for kind, kernel in kernels.items():
-            graph_args = [a.dtype for a in args] if kind == "forward" else \
-                [a.dtype for a in args] + [s.dtype for s in program.saved] + [torch.float32] * n + [torch.bfloat16]
-            outs = [o.meta["val"].dtype for o in kernel.outputs] if kind == "forward" else []
+        active = tuple(range(n))
+        graphs = {"forward": lambda: program.forward, "backward": lambda: program.backward(active, (0,)),
+                  "fused": lambda: program.fused(active, (0,)), "column_tile": lambda: program.column_tile(active, (0,))}
+        for kind in kinds:
+            kernel = GeneratedKernel(graphs[kind](), kind)
             for arch in archs:
-                usage = compile_for(kernel, graph_args, outs, arch)
+                usage = compile_for(kernel, arch)
                 rows.append({"program": name, "kind": kind, "arch": arch, "registers": usage.registers,
                              "stack": usage.stack, "shared": usage.shared, "fits": usage.fits,
                              "blocks": [kernel.blocks.rows, kernel.blocks.columns, kernel.blocks.warps]})

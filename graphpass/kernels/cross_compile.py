@@ -38,9 +38,9 @@ class Usage:
         return self.stack == 0 and self.shared <= SMEM_LIMIT
 
 
-def compile_for(kernel, arg_dtypes: list[torch.dtype], out_dtypes: list[torch.dtype], arch: int) -> Usage:
-    """Compile `kernel` (a `rowwise.GeneratedKernel`) for `sm_<arch>` with these argument dtypes (one per
-    graph placeholder) and output dtypes (K1's), at its own blocks; what the cubin uses."""
+def compile_for(kernel, arch: int) -> Usage:
+    """Compile `kernel` (a `rowwise.GeneratedKernel`) for `sm_<arch>`, its arguments of its graph's dtypes,
+    at its own blocks; what the cubin uses."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,9 +49,9 @@ def compile_for(kernel, arg_dtypes: list[torch.dtype], out_dtypes: list[torch.dt
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("graphpass: Triton's interpreter is on (TRITON_INTERPRET); nothing compiles")
     types = {}
-    for (name, kind), dtype in zip(kernel.placeholders, arg_dtypes):
+    for (name, kind), (_, dtype) in zip(kernel.placeholders, kernel.examples):
         types[f"{name}_ptr"] = _POINTER[dtype]
-    for j, dtype in enumerate(out_dtypes):
+    for j, (_, dtype) in enumerate(kernel.out_specs):
         types[f"out{j}_ptr"] = _POINTER[dtype]
     signature = {name: types.get(name, "i64" if name.endswith(("_s0", "_s1")) else "i32") for name in fn.arg_names}
     b = kernel.blocks

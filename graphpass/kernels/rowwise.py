@@ -687,9 +687,9 @@ class GeneratedKernel:
             if kind == "column_tile" and not self.tiled:
                 raise NotGenerated("a column tile's backward that sums along the row")
         self.placeholders = [(p.name, program.kinds[p]) for p in program.placeholders]
-        self._examples = [(tuple(p.meta["val"].shape), p.meta["val"].dtype) for p in program.placeholders]
+        self.examples = [(tuple(p.meta["val"].shape), p.meta["val"].dtype) for p in program.placeholders]
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
-        self._out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
+        self.out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
             if kind in ("forward", "fused", "fused_saving") else []
         self._kernel = None
 
@@ -703,7 +703,7 @@ class GeneratedKernel:
         """Compile and run the kernel once on zeros of `rows` rows on `device`, so that a kernel Triton
         cannot compile fails here, where its caller can take another, rather than in a later call."""
         zeros = [torch.zeros([s if isinstance(s, int) else rows for s in shape], dtype=dtype, device=device)
-                 for shape, dtype in self._examples]
+                 for shape, dtype in self.examples]
         self(*zeros)
 
     def signature_arguments(self, args, outs=()) -> list:
@@ -729,7 +729,7 @@ class GeneratedKernel:
         # A 0-d scalar left on the host (a temperature) is read by the kernel: it must be on the device.
         args = [a.to(device, non_blocking=True) if isinstance(a, torch.Tensor) and a.device != device and a.ndim == 0
                 else a for a in args]
-        outs = [torch.empty((rows, *tail), dtype=dtype, device=device) for tail, dtype in self._out_specs]
+        outs = [torch.empty((rows, *tail), dtype=dtype, device=device) for tail, dtype in self.out_specs]
         # A column tile's kernel runs on the tile's columns (its graph reads their offset); any other on
         # the graph's vocabulary.
         width = args[self.wide].shape[-1]
