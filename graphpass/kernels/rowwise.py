@@ -1,21 +1,25 @@
 """Triton kernels generated from the per-chunk graphs of a `JointSplit` (`graphpass.ops.joint`).
 
-Two templates, one per graph kind:
+Templates, by graph kind:
 
 - **K1, the forward** (`forward`: args -> outputs and saved row statistics). One program per `BM`
-  rows loops over the row in blocks of `BV` columns, reading each element once. Its reductions
-  over the row are kept as running state: a max (and whether a NaN was seen, which makes the
-  max NaN as `amax` does); plain sums and picks (a `gather` of one column per row, as a sum of
-  `where(column == index, value, 0)`); and *online* sums `sum(exp(a - max(a)) * (c0 + c1 (a -
-  max(a))))` (`c0`, `c1` free of reductions: the log-sum-exp's and the entropy's sums, as
-  `row_sums` leaves them), kept about the running max and rescaled when it moves. The row's tail
-  (log, products of row values) runs after the loop and writes the outputs.
-- **K2, the backward** (`backward`: args, saved, output gradients, out slices -> ()). Column-wise
-  math over row values: a 2-D grid of `[BM, BV]` tiles, each loading its row values once and
-  writing its tile of the gradient.
+  rows sweeps the row in blocks of `BV` columns. Its reductions over the row are running state: a
+  max (and a count of NaNs, which make the max NaN as `amax` does); plain sums and picks (a
+  `gather` of one column per row, as a sum of `where(column == index, value, 0)`); and *online*
+  sums `sum(exp(a - max(a)) * (c0 + c1 (a - max(a))))` (`c0`, `c1` free of reductions, masks
+  allowed around them: the log-sum-exp's and the entropy's sums as `row_sums` leaves them), kept
+  about the running max and rescaled when it moves. So most programs read each row once; a sum of
+  a value that needs another reduction otherwise (a log-softmax summed again) takes a second sweep.
+  The row's tail (log, products of row values) runs after the sweeps and writes the outputs.
+- **K2, the backward** (`backward`, and a column tile's, `column_tile`): column-wise math over row
+  values on a 2-D grid of `[BM, BV]` tiles, each loading its row values once; a backward that sums
+  along the row first (a KL's) sweeps the row for its sums, then again writing the gradient.
+- **K2f, the gradient made in the forward** (`fused`, `fused_saving`): K1's sweeps, then a sweep
+  writing the gradient (and row values into row out slices).
 
-A graph either template cannot express raises `NotGenerated` with the reason, and the caller
-runs the inductor kernel instead for that graph alone.
+Every float value is computed in fp32 and rounded through bf16/fp16 where the graph rounds
+(`emit`). A graph these templates cannot express raises `NotGenerated` with the reason, and the
+caller runs the inner compiler's kernel for that graph alone.
 """
 
 from __future__ import annotations
