@@ -78,8 +78,10 @@ def _kernels(method: str, program, n: int, rows: int, compiler: str, device: str
     width = program.args[0].shape[-1]
     if method == "inductor":  # before step 0: the CPU's options everywhere, compiled on 2 rows
         with mock.patch.object(_torch_api, "kernel_options", lambda inner, device: {"triton.cudagraphs": False}):
-            return {kind: _torch_api.compile_kernel(graph, compiler, wide_width=width) for kind, graph in graphs.items()}
-    return {kind: _torch_api.compile_kernel(graph, compiler, wide_width=width, rows=rows) for kind, graph in graphs.items()}
+            return {kind: _torch_api.compile_kernel(graph, compiler, wide_width=width)
+                    for kind, graph in graphs.items()}
+    return {kind: _torch_api.compile_kernel(graph, compiler, wide_width=width, rows=rows)
+            for kind, graph in graphs.items()}
 
 
 def _reference(name: str, args, grads):
@@ -191,7 +193,8 @@ def _line(r: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu-smoke", action="store_true", help=f"shapes {SHAPES['smoke']} on the CPU, Triton's interpreter")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help=f"shapes {SHAPES['smoke']} on the CPU, Triton's interpreter")
     p.add_argument("--parts", nargs="+", default=["kernels", "gemm", "steps"], choices=["kernels", "gemm", "steps"])
     p.add_argument("--repeats", type=int, default=5, help="timed calls per kernel (the median counts)")
     p.add_argument("--steps-budget-s", type=float, default=None, help="seconds for part 3 (default 150; smoke 120)")
@@ -228,14 +231,16 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(args.device, shape["T"] * shape["V"] * 2)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
     results = []
-    parts = {"kernels": lambda: kernel_rows(args, bandwidth), "gemm": lambda: gemm_rows(args), "steps": lambda: step_rows(args)}
+    parts = {"kernels": lambda: kernel_rows(args, bandwidth), "gemm": lambda: gemm_rows(args),
+             "steps": lambda: step_rows(args)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # The interpreter's bf16 casts as a GPU's (it truncates them).
     with kp.rounded_bf16_casts() if args.cpu_smoke else contextlib.nullcontext():
         for part in args.parts:
             results += parts[part]()
-            args.out.write_text(json.dumps(dict(header, copy_tb_s=bandwidth / 1e12, results=results,
-                                                elapsed_s=round(time.monotonic() - started)), indent=1, default=str) + "\n")
+            document = dict(header, copy_tb_s=bandwidth / 1e12, results=results,
+                            elapsed_s=round(time.monotonic() - started))
+            args.out.write_text(json.dumps(document, indent=1, default=str) + "\n")
     bad = [r for r in results if r["status"] not in ("ok", "unavailable", "n/a")
            or (r.get("parity") is not None and r["parity"] > gpu.PARITY_TOLERANCE["bf16"])]
     for r in bad:

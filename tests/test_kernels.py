@@ -63,7 +63,8 @@ def _within_eager(name, ours, eager, exact, dtype):
     assert _error(ours, exact) <= bound, (name, _error(ours, exact), _error(eager, exact))
 
 
-CASES = [(name, dtype, rows, vocab) for name in kp.NAMES for dtype in (torch.float32, torch.bfloat16) for rows, vocab in ((7, 1000), (1, 300))]
+CASES = [(name, dtype, rows, vocab) for name in kp.NAMES for dtype in (torch.float32, torch.bfloat16)
+         for rows, vocab in ((7, 1000), (1, 300))]
 
 
 @pytest.mark.parametrize("name,dtype,rows,vocab", CASES)
@@ -192,7 +193,7 @@ def test_generated_kernels_run_on_cuda_only_with_triton_and_the_switch_on():
 _CROSS_COMPILE = ("from bench.workloads import kernel_programs as kp; import json; "
                   "print(json.dumps(kp.cross_compiled(archs=(90,)) + "
                   "kp.cross_compiled(['LogProbEntropy', 'TeacherKL'], archs=(100,)) + "
-                  "kp.cross_compiled(['LogProbEntropy'], kinds=('fused', 'column_tile'))))")
+                  "kp.cross_compiled(['LogProbEntropy'], kinds=('fused', 'column_tile', 'split'))))")
 # Triton version -> kernels that spill there. 3.6: a where(column == index, g, 0) summed along the row beside
 # other terms, in a kernel that sweeps the row twice, keeps a 5-10 KB stack frame at every block tried
 # (1-2 x 1024-2048 columns); 3.8 compiles it without. Slower, not wrong.
@@ -217,7 +218,8 @@ def test_generated_kernels_compile_for_hopper_and_blackwell_without_spills():
     assert {(r["program"], r["kind"], r["arch"]) for r in rows} == (
         {(name, kind, 90) for name in kp.NAMES for kind in ("forward", "backward")}
         | {(name, kind, 100) for name in ("LogProbEntropy", "TeacherKL") for kind in ("forward", "backward")}
-        | {("LogProbEntropy", kind, arch) for kind in ("fused", "column_tile") for arch in (90, 100)})
+        | {("LogProbEntropy", kind, arch) for kind in ("fused", "column_tile", "split_partial", "split_combine")
+           for arch in (90, 100)})
     for r in rows:
         assert r["registers"] > 0 and r["shared"] <= 227 * 1024, r
         known = (r["program"], r["kind"]) in _KNOWN_SPILLS.get(".".join(triton.__version__.split(".")[:2]), ())
@@ -422,7 +424,8 @@ def test_a_kernel_triton_cannot_compile_leaves_the_inner_compilers_kernel(monkey
     token, entropy = torch.compile(_ppo_terms, backend=backend)(logits, targets, torch.ones(3, 7))
     (token.sum() + entropy.sum()).backward()
     program = chunked_op.program(backend.records[0].sites[0].program_key)
-    assert program.kernel_notes["forward"] == "Triton could not compile or run it: RuntimeError: PTXAS error: a stand-in"
+    assert program.kernel_notes["forward"] == ("Triton could not compile or run it: "
+                                               "RuntimeError: PTXAS error: a stand-in")
     assert "PTXAS" in program.kernel_notes["backward"]
     expected = logits.detach().clone().requires_grad_(True)
     eager_token, eager_entropy = _ppo_terms(expected, targets, torch.ones(3, 7))
@@ -468,3 +471,26 @@ def test_online_sums_under_a_mask_take_one_sweep_and_match_float64():
     eager = _MaskedMass()(logits, allowed)
     for o, e, x in zip(ours, eager, exact):
         _within_eager("masked mass", o, e, x.double(), torch.float32)
+
+
+@pytest.mark.parametrize("name,splits", [("LogProbEntropy", 3), ("LogProb", 4), ("SoftCapped", 2)])
+def test_vocabulary_splits_merge_to_the_one_sweep_result(name, splits):
+    """K1 over vocabulary splits (each split's state, then their merge in a fixed order): the same
+    outputs as one sweep to rounding, within 2x eager's error of float64, NaN rows as eager's."""
+    generator = torch.Generator().manual_seed(12)
+    args = kp.arguments(name, 6, 1000, torch.bfloat16, generator)
+    args[0][2, :600] = -float("inf")  # a whole split with no finite value
+    args[0][4] = -float("inf")  # a row with none: NaN, as eager
+    split, n = _split(name, args, 1000)
+    kernel = GeneratedKernel(split.forward, "forward", BLOCKS)
+    assert kernel.states > 0
+    whole = kernel(*args)
+    kernel.splits = splits
+    parts = kernel(*args)
+    eager, exact = kp.program_class(name)()(*args), kp.program_class(name)(torch.float64)(
+        *[a.double() if a.is_floating_point() else a for a in args])
+    for one, merged, e, x in zip(whole, parts, eager, exact):
+        torch.testing.assert_close(merged, one, rtol=1e-6, atol=1e-6, equal_nan=True)
+        _within_eager(name, merged, e, x, torch.float32)
+    for one, merged in zip(whole[n:], parts[n:]):  # the saved row statistics too
+        torch.testing.assert_close(merged, one, rtol=1e-6, atol=1e-6, equal_nan=True)

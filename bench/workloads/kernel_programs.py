@@ -135,7 +135,8 @@ def split(name: str, args: list, keeps=None, wanted=(0,), device="cpu") -> tuple
     vocab = args[0].shape[-1]
     # Per row: every 2-D argument but the vocabulary mask `[1, V]` (`Masked`), whatever the rows.
     per_row = [a.ndim == 2 and a.dtype != torch.bool for a in args]
-    specs = [ArgSpec(tuple(a.shape), a.dtype, per_row=p, wide=p and a.shape[-1] == vocab) for a, p in zip(args, per_row)]
+    specs = [ArgSpec(tuple(a.shape), a.dtype, per_row=p, wide=p and a.shape[-1] == vocab)
+             for a, p in zip(args, per_row)]
     module = program_class(name)()
     n = len(module(*args))
     keeps = list(range(n)) if keeps is None else keeps
@@ -144,9 +145,10 @@ def split(name: str, args: list, keeps=None, wanted=(0,), device="cpu") -> tuple
 
 def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936,
                    kinds=("forward", "backward")) -> list[dict]:
-    """Each program's generated kernels of these `kinds` ("forward", "backward", "fused", "column_tile")
-    for bf16 logits of width `vocab`, at the GPU's blocks, compiled for each `sm_<arch>` (Triton's
-    interpreter off): one row per kernel and arch."""
+    """Each program's generated kernels of these `kinds` ("forward", "backward", "fused", "column_tile";
+    "split": the forward's vocabulary-split `partial` and `combine`) for bf16 logits of width `vocab`,
+    at the GPU's blocks, compiled for each `sm_<arch>` (Triton's interpreter off): one row per kernel
+    and arch."""
     from graphpass.kernels.cross_compile import compile_for
     from graphpass.kernels.rowwise import GeneratedKernel
 
@@ -156,14 +158,18 @@ def cross_compiled(names=NAMES, archs=(90, 100), vocab: int = 151936,
         program, n = split(name, args)
         active = tuple(range(n))
         graphs = {"forward": lambda: program.forward, "backward": lambda: program.backward(active, (0,)),
-                  "fused": lambda: program.fused(active, (0,)), "column_tile": lambda: program.column_tile(active, (0,))}
+                  "fused": lambda: program.fused(active, (0,)),
+                  "column_tile": lambda: program.column_tile(active, (0,))}
         for kind in kinds:
-            kernel = GeneratedKernel(graphs[kind](), kind)
-            for arch in archs:
-                usage = compile_for(kernel, arch)
-                rows.append({"program": name, "kind": kind, "arch": arch, "registers": usage.registers,
-                             "stack": usage.stack, "shared": usage.shared, "fits": usage.fits,
-                             "blocks": [kernel.blocks.rows, kernel.blocks.columns, kernel.blocks.warps]})
+            graph_kind = "forward" if kind == "split" else kind
+            kernel = GeneratedKernel(graphs[graph_kind](), graph_kind)
+            for function in ("partial", "combine") if kind == "split" else ("kernel",):
+                for arch in archs:
+                    usage = compile_for(kernel, arch, function)
+                    rows.append({"program": name, "kind": kind if kind != "split" else f"split_{function}",
+                                 "arch": arch, "registers": usage.registers, "stack": usage.stack,
+                                 "shared": usage.shared, "fits": usage.fits,
+                                 "blocks": [kernel.blocks.rows, kernel.blocks.columns, kernel.blocks.warps]})
     return rows
 
 

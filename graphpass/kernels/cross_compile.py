@@ -38,17 +38,18 @@ class Usage:
         return self.stack == 0 and self.shared <= SMEM_LIMIT
 
 
-def compile_for(kernel, arch: int) -> Usage:
-    """Compile `kernel` (a `rowwise.GeneratedKernel`) for `sm_<arch>`, its arguments of its graph's dtypes,
-    at its own blocks; what the cubin uses."""
+def compile_for(kernel, arch: int, function: str = "kernel") -> Usage:
+    """Compile `kernel` (a `rowwise.GeneratedKernel`; its `function`: "kernel", or a vocabulary split's
+    "partial" and "combine") for `sm_<arch>`, its arguments of its graph's dtypes, at its own blocks;
+    what the cubin uses."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = kernel.kernel
+    fn = getattr(kernel.module, function)
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("graphpass: Triton's interpreter is on (TRITON_INTERPRET); nothing compiles")
-    types = {}
+    types = {"P_ptr": "*fp32"}
     for (name, kind), (_, dtype) in zip(kernel.placeholders, kernel.examples):
         types[f"{name}_ptr"] = _POINTER[dtype]
     for j, (_, dtype) in enumerate(kernel.out_specs):
@@ -58,7 +59,7 @@ def compile_for(kernel, arch: int) -> Usage:
     columns = min(b.columns, 1 << max(0, (kernel.vocab - 1).bit_length()))
     signature.update({"BM": "constexpr", "BV": "constexpr"})
     source = ASTSource(fn, signature, constexprs={"BM": b.rows, "BV": columns})
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": b.warps, **({"num_stages": int(os.environ["H45_STAGES"])} if "H45_STAGES" in os.environ else {})})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": b.warps})
     return Usage(arch, *_resources(compiled.asm["cubin"]), compiled.metadata.shared)
 
 

@@ -42,6 +42,7 @@ aten = torch.ops.aten
 WIDE, ROW, COL, SCALAR, CONST = "wide", "row", "col", "scalar", "const"
 _AMAX, _SUM, _MEAN, _PICK = aten.amax.default, aten.sum.dim_IntList, aten.mean.dim, aten.gather.default
 _REDUCTIONS = {_AMAX, _SUM, _MEAN, _PICK}
+_COMPUTED = (torch.float32, torch.bfloat16, torch.float16)  # float dtypes computed here (in fp32, rounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,8 @@ class _Program:
         for node in gm.graph.nodes:
             if node.op not in ("placeholder", "call_function"):
                 continue
-            self.kinds[node] = self._call_kind(node) if node.op == "call_function" else _kind(node.meta.get("val"), vocab)
+            self.kinds[node] = (self._call_kind(node) if node.op == "call_function"
+                                else _kind(node.meta.get("val"), vocab))
             if self.kinds[node] not in (SCALAR, CONST) and node.meta["val"].dtype == torch.float64:
                 # Computed in fp32 here; only a runtime scalar (a temperature) is cast to fp32 as it is read.
                 raise NotGenerated(f"{node.name} is float64")
@@ -136,7 +138,8 @@ class _Program:
         if target is aten.arange.default:
             if _is_row_width(args[0] if args else None, self):  # a column tile's: arange(width) + offset
                 return "cols"
-            if (len(args) != 1 or args[0] != self.vocab or kwargs.get("dtype", torch.int64) not in (torch.int64, torch.int32)
+            integer = kwargs.get("dtype", torch.int64) in (torch.int64, torch.int32)
+            if (len(args) != 1 or args[0] != self.vocab or not integer
                     or kwargs.get("start", 0) != 0):
                 raise NotGenerated(f"{node.name}: an arange other than over the row's columns")
             return "cols"
@@ -148,13 +151,13 @@ class _Program:
             return self._same_values(node)
         if target not in emit.POINTWISE:
             raise NotGenerated(f"{node.name} ({target}) is not in the emitter's table")
-        if target in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar) and kwargs.get("alpha", 1) != 1:
+        if kwargs.get("alpha", 1) != 1:
             raise NotGenerated(f"{node.name}: {target} with alpha")
         if target in (aten.div.Tensor, aten.div.Scalar) and kwargs.get("rounding_mode") is not None:
             raise NotGenerated(f"{node.name}: a division with rounding mode {kwargs['rounding_mode']}")
         if set(kwargs) - {"alpha"}:
             raise NotGenerated(f"{node.name}: {target} with keyword arguments {sorted(kwargs)}")
-        if self.dtype(node).is_floating_point and self.dtype(node) not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.dtype(node).is_floating_point and self.dtype(node) not in _COMPUTED:
             raise NotGenerated(f"{node.name} computes in {self.dtype(node)}")
         expr = emit.POINTWISE[target](*[self.arg(a) for a in args])
         return emit.rounded(expr, self.dtype(node))
@@ -175,7 +178,8 @@ class _Program:
             raise NotGenerated(f"{node.name} ({node.target}) makes a row of the vocabulary")
         expr = self.arg(source)
         if node.target is aten._to_copy.default:
-            if set(node.kwargs) - {"dtype", "layout", "device"} or node.kwargs.get("layout") not in (None, torch.strided):
+            if set(node.kwargs) - {"dtype", "layout", "device"} or node.kwargs.get("layout") not in (None,
+                                                                                                    torch.strided):
                 raise NotGenerated(f"{node.name}: a copy with {dict(node.kwargs)}")
             src, dst = self.dtype(source), self.dtype(node)
             if dst.is_floating_point:
@@ -356,7 +360,8 @@ class _Online:
         if target in (aten.where.self, aten.where.ScalarOther) and self._free(args[0]) and _is_zero(args[2]):
             m, terms = self.form(args[1])
             mask = program.arg(args[0])
-            return m, [_Term(t.e, t.k, 1.0, f"tl.where({mask}, {t.const!r} * ({t.template}), 0.0)", True) for t in terms]
+            return m, [_Term(t.e, t.k, 1.0, f"tl.where({mask}, {t.const!r} * ({t.template}), 0.0)", True)
+                       for t in terms]
         raise NotGenerated(why)
 
     def _first_alike(self, m):
@@ -414,14 +419,17 @@ def _is_zero(a) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0
 
 
-def _forward_source(program: _Program) -> tuple[str, list]:
-    """K1's source and its outputs (nodes), in the graph's order."""
+def _forward_source(program: _Program) -> tuple[str, list, int]:
+    """K1's source (with its vocabulary-split kernels where it sweeps once, `_split_source`), its
+    outputs (nodes) in the graph's order, and the number of state values a split writes (0: none)."""
     graph = program.gm.graph
     outputs = list(graph.output_node().args[0])
     for o in outputs:
         if not isinstance(o, torch.fx.Node) or program.kinds[o] != ROW or o.op == "placeholder":
             raise NotGenerated(f"an output ({o}) that is not a row value computed here")
-    return _swept_source(program, outputs, []), outputs
+    source = _swept_source(program, outputs, [])
+    split = _split_source(program, outputs)
+    return (source, outputs, 0) if split is None else (source + split[0], outputs, split[1])
 
 
 def _fused_source(program: _Program) -> tuple[str, list]:
@@ -439,16 +447,9 @@ def _fused_source(program: _Program) -> tuple[str, list]:
     return _swept_source(program, outputs, copies), outputs
 
 
-def _swept_source(program: _Program, outputs: list, stores: list) -> str:
-    """The source of a kernel that sweeps over each row of `BM` rows: K1 (`outputs`, row values) and
-    the backward that sums along the row before writing its gradient (`stores`: its copies into out
-    slices, in a last sweep).
-
-    Reductions go into sweeps over the row: sweep 0 takes those of values free of reductions (and
-    the online sums about its maxima); a reduction of a value that needs another reduction's result
-    otherwise goes into the sweep after that one, where that result is a row constant. Most
-    programs need one sweep (one read of each row); a log-softmax summed again (a masked entropy
-    that `row_sums` left unfactored, a KL, label smoothing) needs two."""
+def _plan(program: _Program):
+    """The reductions' sweeps (`_swept_source`): (nodes, reductions, sweep of each, online sums' forms,
+    sweeps, ready(row value) -> the sweep after which it can be computed, -1 before any)."""
     graph = program.gm.graph
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is not aten.copy_.default]
     reductions = [n for n in nodes if n.target in _REDUCTIONS]
@@ -483,16 +484,29 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
         raise NotGenerated(f"its reductions need {sweeps} sweeps over the row (two at most)")
 
     def ready(node):
-        """The sweep after which a row value can be computed (-1: before any)."""
         return max((sweep_of[r] for r in program.depends[node]), default=-1)
 
+    return nodes, reductions, sweep_of, forms, sweeps, ready
+
+
+def _swept_source(program: _Program, outputs: list, stores: list) -> str:
+    """The source of a kernel that sweeps over each row of `BM` rows: K1 (`outputs`, row values) and
+    the backward that sums along the row before writing its gradient (`stores`: its copies into out
+    slices, in a last sweep).
+
+    Reductions go into sweeps over the row: sweep 0 takes those of values free of reductions (and
+    the online sums about its maxima); a reduction of a value that needs another reduction's result
+    otherwise goes into the sweep after that one, where that result is a row constant. Most
+    programs need one sweep (one read of each row); a log-softmax summed again (a masked entropy
+    that `row_sums` left unfactored, a KL, label smoothing) needs two."""
+    nodes, reductions, sweep_of, forms, sweeps, ready = _plan(program)
     lines = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
              for p in program.placeholders if program.kinds[p] in (ROW, SCALAR) and _read(p)]
     lines += _row_values(program, nodes, ready, -1)
     for sweep in range(sweeps):
         mine = [r for r in reductions if sweep_of[r] == sweep]
         finished = {r for r in reductions if sweep_of[r] < sweep}
-        init, update, values = _sweep_states(program, mine, forms)
+        init, update, values, _, _ = _sweep_states(program, mine, forms)
         loop = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
                 for p in program.placeholders if program.kinds[p] in (WIDE, COL) and _read(p)]
         loop += [f"v_{n.name} = {program.expression(n)}" for n in nodes
@@ -521,6 +535,61 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
     params = _parameters(program) + [p for j in range(len(outputs)) for p in (f"out{j}_ptr", f"out{j}_s0")]
     header = _HEADER.format(prelude=emit.PRELUDE, params=", ".join(params))
     return header + "\n".join("    " + line for line in lines) + "\n"
+
+
+_SPLIT_HEADER = """
+
+@triton.jit
+def partial({params}, P_ptr, T, V, SPLIT_COLUMNS, BM: tl.constexpr, BV: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+    first = tl.program_id(1) * SPLIT_COLUMNS
+"""
+_COMBINE_HEADER = """
+
+@triton.jit
+def combine({params}, P_ptr, T, V, S, BM: tl.constexpr, BV: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+"""
+
+
+def _split_source(program: _Program, outputs: list) -> str | None:
+    """K1 over vocabulary splits, for too few rows to fill the GPU, or None where K1 takes more than
+    one sweep: `partial` (grid rows x splits) writes each split's state to `P[split, row, state]`
+    (fp32), `combine` (grid rows) merges the splits in their order (deterministic, no atomics) and
+    runs the row's tail."""
+    nodes, reductions, sweep_of, forms, sweeps, ready = _plan(program)
+    if sweeps != 1:
+        return None
+    init, update, values, states, merge = _sweep_states(program, reductions, forms)
+    pre = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
+           for p in program.placeholders if program.kinds[p] in (ROW, SCALAR) and _read(p)]
+    pre += _row_values(program, nodes, ready, -1)
+    loop = [f"{p.name} = {_load(p.name, program.kinds[p], program.dtype(p), 'mask')}"
+            for p in program.placeholders if program.kinds[p] in (WIDE, COL) and _read(p)]
+    loop += [f"v_{n.name} = {program.expression(n)}" for n in nodes
+             if program.kinds[n] in (WIDE, COL) and n.target not in _REDUCTIONS and not program.depends[n]]
+    k = len(states)
+    partial = pre + init + ["for start in range(first, tl.minimum(V, first + SPLIT_COLUMNS), BV):",
+                            "    cols = start + tl.arange(0, BV)[None, :]", "    c64 = cols.to(tl.int64)",
+                            "    col_ok = cols < V", "    mask = row_ok & col_ok"]
+    partial += ["    " + line for line in loop + update]
+    partial += [f"tl.store(P_ptr + (tl.program_id(1) * T + r64) * {k} + {j}, ({var}).to(tl.float32), mask=row_ok)"
+                for j, var in enumerate(states)]
+    combine = pre + init + ["for split in range(0, S):"]
+    combine += [f"    p_{var} = tl.load(P_ptr + (split * T + r64) * {k} + {j}, mask=row_ok, other=0.0)"
+                for j, var in enumerate(states)]
+    combine += ["    " + line for line in merge] + values + _row_values(program, nodes, ready, 0)
+    combine += [f"tl.store(out{j}_ptr + r64 * out{j}_s0, {_rows(program.exprs[o], program.kinds[o])}"
+                f".to({emit.tl_dtype(program.dtype(o))}), mask=row_ok)" for j, o in enumerate(outputs)]
+    params = _parameters(program)
+    out_params = [p for j in range(len(outputs)) for p in (f"out{j}_ptr", f"out{j}_s0")]
+    return (_SPLIT_HEADER.format(params=", ".join(params)) + "\n".join("    " + line for line in partial) + "\n"
+            + _COMBINE_HEADER.format(params=", ".join(params + out_params))
+            + "\n".join("    " + line for line in combine) + "\n"), k
 
 
 def _read(placeholder) -> bool:
@@ -554,10 +623,12 @@ def _row_values(program: _Program, nodes, ready, sweep: int) -> list[str]:
             if program.kinds[n] in (ROW, SCALAR, CONST) and n.target not in _REDUCTIONS and ready(n) == sweep]
 
 
-def _sweep_states(program: _Program, reductions: list, forms: dict) -> tuple[list, list, list]:
+def _sweep_states(program: _Program, reductions: list, forms: dict) -> tuple[list, list, list, list, list]:
     """For one sweep's reductions: their states' initial values, their update in the loop (after
-    every value of the block is computed), and their values after the loop."""
-    init, update, values = [], [], []
+    every value of the block is computed), their values after the loop, the state's variables, and
+    the merge of a vocabulary split's partial state (`p_<variable>`) into them (`_combine_source`)."""
+    init, update, values, merge = [], [], [], []
+    states = []
     maxima = {}
     moments: dict = {}  # (max, template, e, k) -> variable
     for node in reductions:
@@ -566,10 +637,13 @@ def _sweep_states(program: _Program, reductions: list, forms: dict) -> tuple[lis
         src = _wide(program.arg(source), program.kinds[source])
         if node.target is _AMAX:
             maxima[node] = name
-            init += [f'{name} = tl.full((BM, 1), float("-inf"), tl.float32)', f"{name}_nan = tl.zeros((BM, 1), tl.int32)"]
+            init += [f'{name} = tl.full((BM, 1), float("-inf"), tl.float32)',
+                     f"{name}_nan = tl.zeros((BM, 1), tl.int32)"]
+            states += [name, f"{name}_nan"]
             update += [f'a_{node.name} = tl.where(mask, {src}, float("-inf"))',
-                       f"{name}_nan = {name}_nan + tl.sum((a_{node.name} != a_{node.name}).to(tl.int32), axis=1)[:, None]",
-                       f'{name}_new = tl.maximum({name}, tl.max(tl.where(a_{node.name} != a_{node.name}, float("-inf"), '
+                       f"nan_{node.name} = a_{node.name} != a_{node.name}",
+                       f"{name}_nan = {name}_nan + tl.sum(nan_{node.name}.to(tl.int32), axis=1)[:, None]",
+                       f'{name}_new = tl.maximum({name}, tl.max(tl.where(nan_{node.name}, float("-inf"), '
                        f"a_{node.name}), axis=1)[:, None])"]
             values.append(f"v_{node.name} = " + emit.rounded(f'tl.where({name}_nan > 0, float("nan"), {name})', dtype))
         elif node in forms:
@@ -584,6 +658,8 @@ def _sweep_states(program: _Program, reductions: list, forms: dict) -> tuple[lis
                 f'tl.where(s_{m.name} == float("-inf"), float("nan"), {" + ".join(parts)})', dtype))
         else:
             init.append(f"{name} = tl.zeros((BM, 1), tl.float32)")
+            states.append(name)
+            merge.append(f"{name} += p_{name}")
             if node.target is _PICK:
                 update.append(f"{name} += tl.sum(tl.where(mask & (cols == {program.arg(node.args[2])}), {src}, 0.0), "
                               "axis=1)[:, None]")
@@ -593,10 +669,36 @@ def _sweep_states(program: _Program, reductions: list, forms: dict) -> tuple[lis
                 if node.target is _MEAN else name
             values.append(f"v_{node.name} = {emit.rounded(value, dtype)}")
     init += [f"{var} = tl.zeros((BM, 1), tl.float32)" for var in moments.values()]
+    states += list(moments.values())
     for m, name in maxima.items():
-        update += _moment_updates(program, m, name, {key[1:]: v for key, v in moments.items() if key[0] is m})
+        mine = {key[1:]: v for key, v in moments.items() if key[0] is m}
+        update += _moment_updates(program, m, name, mine)
         update.append(f"{name} = {name}_new")
-    return init, update, values
+        merge += _moment_merges(m.name, name, mine)
+    return init, update, values, states, merge
+
+
+def _moment_merges(n: str, name: str, moments: dict) -> list[str]:
+    """A split's partial max `p_<name>` (its NaN count, its moments about it) merged into the running
+    ones: both sets of moments rescaled about the new max, then added; as `_moment_updates`."""
+    out = [f"{name}_nan = {name}_nan + p_{name}_nan.to(tl.int32)",
+           f"{name}_new = tl.maximum({name}, p_{name})",
+           f'old_{n} = tl.where({name} == float("-inf"), 0.0, {name})',
+           f'new_{n} = tl.where({name}_new == float("-inf"), 0.0, {name}_new)',
+           f'part_{n} = tl.where(p_{name} == float("-inf"), 0.0, p_{name})',
+           f"delta_{n} = old_{n} - new_{n}", f"alpha_{n} = tl.exp(delta_{n})",
+           f"pdelta_{n} = part_{n} - new_{n}", f"palpha_{n} = tl.exp(pdelta_{n})"]
+    for (template, e, k), var in moments.items():
+        zeroth = moments.get((template, e, 0))
+        if e == 1 and k == 1:
+            out.append(f"{var} = alpha_{n} * ({var} + delta_{n} * {zeroth}) "
+                       f"+ palpha_{n} * (p_{var} + pdelta_{n} * p_{zeroth})")
+    for (template, e, k), var in moments.items():
+        if e == 1 and k == 0:
+            out.append(f"{var} = alpha_{n} * {var} + palpha_{n} * p_{var}")
+        elif e == 0:
+            out.append(f"{var} = {var} + p_{var}")
+    return out + [f"{name} = {name}_new"]
 
 
 def _moment_updates(program: _Program, m, name: str, moments: dict) -> list[str]:
@@ -643,8 +745,8 @@ _MODULES: dict[str, object] = {}
 _DIRECTORY: list[str] = []
 
 
-def _kernel_of(source: str):
-    """The `kernel` of a generated module, imported from a file (Triton reads a kernel's source)."""
+def _module_of(source: str):
+    """A generated module, imported from a file (Triton reads a kernel's source)."""
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
     if key not in _MODULES:
         if not _DIRECTORY:
@@ -656,7 +758,7 @@ def _kernel_of(source: str):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _MODULES[key] = module
-    return _MODULES[key].kernel
+    return _MODULES[key]
 
 
 def _vocab_of(gm: torch.fx.GraphModule) -> int:
@@ -679,8 +781,10 @@ class GeneratedKernel:
         self.tiled = False  # a 2-D grid of tiles (K2), else one program per BM rows
         self.vocab = _vocab_of(gm)
         program = _Program(_torch_api.with_example_values(gm, {"column_offset": torch.int64}), self.vocab)
+        self.states = 0  # values of a vocabulary split's state; 0: K1 does not split the vocabulary
+        self.splits = None  # vocabulary splits per call; None: as many as fill the GPU (`_splits`)
         if kind == "forward":
-            self.source, self.outputs = _forward_source(program)
+            self.source, self.outputs, self.states = _forward_source(program)
             self.blocks = blocks or FORWARD_BLOCKS
         elif kind in ("fused", "fused_saving"):
             self.source, self.outputs = _fused_source(program)
@@ -695,13 +799,31 @@ class GeneratedKernel:
         self.wide = next(i for i, (_, k) in enumerate(self.placeholders) if k == WIDE)
         self.out_specs = [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in self.outputs] \
             if kind in ("forward", "fused", "fused_saving") else []
-        self._kernel = None
+        self._module = None
+
+    @property
+    def module(self):
+        """The generated module: `kernel`, and K1's `partial` and `combine` where it splits the vocabulary."""
+        if self._module is None:
+            self._module = _module_of(self.source)
+        return self._module
 
     @property
     def kernel(self):
-        if self._kernel is None:
-            self._kernel = _kernel_of(self.source)
-        return self._kernel
+        return self.module.kernel
+
+    def _splits(self, rows: int, width: int, device) -> int:
+        """Vocabulary splits for `rows`: 1 where the rows' programs fill the GPU twice over, else enough
+        that they do, each split at least 4 blocks wide."""
+        if not self.states:
+            return 1
+        if self.splits is not None:
+            return self.splits
+        if device.type != "cuda":
+            return 1
+        programs = -(-rows // self.blocks.rows)
+        fill = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(-(-fill // programs), width // (4 * self.blocks.columns)))
 
     def compile_now(self, device, rows: int = 16) -> None:
         """Compile and run the kernel once on zeros of `rows` rows on `device`, so that a kernel Triton
@@ -743,6 +865,16 @@ class GeneratedKernel:
             b = self.blocks
             columns = min(b.columns, _next_power_of_2(width))
             grid = ((rows + b.rows - 1) // b.rows,)
+            splits = self._splits(rows, width, device)
+            if splits > 1:  # each split's state, then their merge in a fixed order
+                split_columns = -(-width // (splits * columns)) * columns
+                splits = -(-width // split_columns)
+                state = torch.empty((splits, rows, self.states), dtype=torch.float32, device=device)
+                self.module.partial[(grid[0], splits)](*self.signature_arguments(args), state, rows, width,
+                                                       split_columns, BM=b.rows, BV=columns, num_warps=b.warps)
+                self.module.combine[grid](*self.signature_arguments(args, outs), state, rows, width, splits,
+                                     BM=b.rows, BV=columns, num_warps=b.warps)
+                return tuple(outs)
             if self.tiled:
                 grid = (grid[0], (width + columns - 1) // columns)
             self.kernel[grid](*self.signature_arguments(args, outs), rows, width, BM=b.rows, BV=columns,
