@@ -93,22 +93,38 @@ def inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs):
     return gm.forward
 
 
-def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None):
+def kernel_options(inner: str, device: torch.device | None) -> dict | None:
+    """The inner compiler's options for a per-chunk kernel that runs on `device`.
+
+    The kernel runs inside an op that CUDA graphs do not capture (`devices.NOT_CUDAGRAPH_CAPTURABLE`):
+    a global `triton.cudagraphs=True` must not make each chunk's call a graph of its own. On CUDA a
+    row of `[chunk, V]` is reduced by one program in one kernel (not split across programs, which
+    reads it twice and launches four kernels), and pointwise kernels over `[chunk, V]` are tiled in
+    2-D (each row value loaded once per tile, not once per element); the CPU's code is unchanged."""
+    if inner != "inductor":
+        return None
+    options = {"triton.cudagraphs": False}
+    if device is not None and torch.device(device).type == "cuda":
+        options.update({"split_reductions": False, "triton.prefer_nd_tiling": True})
+    return options
+
+
+def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None, rows: int | None = None):
     """Compile a per-chunk kernel, dynamic in the row count only (dim 0 of every tensor argument
     of rank 2), so a short last chunk reuses it while the vocabulary stays static for codegen.
+    Its options follow the device of its first call's tensors (`kernel_options`).
 
     With `wide_width` (V) and inductor, the kernel is compiled now, on zeros shaped as its
-    placeholders' example values with 2 rows, and `run.temporary_bytes` is what its generated
-    code allocates per element of `[rows, V]` (`_wide_buffer_bytes`); else None.
+    placeholders' example values with 2 rows (on CUDA with `rows`, the chunk's rows where the caller
+    knows them: inductor chooses its block sizes for the rows it first sees), and
+    `run.temporary_bytes` is what its generated code allocates per element of `[rows, V]`
+    (`_wide_buffer_bytes`); else None.
 
     Where the compiler fails on it, `fallback()` (a callable with `fn`'s arguments) runs instead,
     else `fn` itself, uncompiled."""
     if inner == "eager":
         return fn
-    # The kernel runs inside an op that CUDA graphs do not capture (`devices.NOT_CUDAGRAPH_CAPTURABLE`):
-    # a global `triton.cudagraphs=True` must not make each chunk's call a graph of its own.
-    options = {"triton.cudagraphs": False} if inner == "inductor" else None
-    kernel = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True, options=options)
+    kernel = None  # compiled at the first call, for its tensors' device
 
     def run(*args):
         nonlocal kernel
@@ -116,6 +132,10 @@ def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None)
         # dispatch state keep what Dynamo guards on (requires_grad, dispatch keys) the same on
         # every call; the op's first call sees different ones, and would cost a recompile.
         args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        if kernel is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            run.options = kernel_options(inner, device)
+            kernel = torch.compile(fn, backend=inner, dynamic=False, fullgraph=True, options=run.options)
         for a in args:
             if isinstance(a, torch.Tensor) and a.ndim == 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
@@ -138,7 +158,8 @@ def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None)
             return kernel(*args)
 
     run.temporary_bytes = None
-    sample = _sample_arguments(fn) if inner == "inductor" and wide_width is not None else None
+    run.options = None
+    sample = _sample_arguments(fn, rows) if inner == "inductor" and wide_width is not None else None
     if sample is not None:
         from unittest import mock
 
@@ -168,15 +189,16 @@ def _compiler_message(error: BaseException) -> str:
     return f"{type(inner).__name__}: {inner}".splitlines()[0]
 
 
-def _sample_arguments(fn) -> list | None:
-    """Zeros shaped as `fn`'s placeholders' example values, each symbolic size (the rows) 2; None
-    where a placeholder has none."""
+def _sample_arguments(fn, rows: int | None = None) -> list | None:
+    """Zeros shaped as `fn`'s placeholders' example values, each symbolic size (the rows) 2, or on
+    CUDA `rows` where given; None where a placeholder has none."""
     sample = []
     for node in fn.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return None
-        shape = [s if isinstance(s, int) else 2 for s in val.shape]
+        sample_rows = rows if rows is not None and val.device.type == "cuda" else 2
+        shape = [s if isinstance(s, int) else sample_rows for s in val.shape]
         sample.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
     return sample
 
@@ -247,6 +269,29 @@ def trace_decomposed(fn, args) -> torch.fx.GraphModule:
                                 # which the peephole makes a select (`ops.peephole`)
                                 aten.nll_loss_forward, aten.nll_loss_backward])
     return make_fx(fn, decomposition_table=table)(*args)
+
+
+def with_example_values(gm: torch.fx.GraphModule, scalars: dict | None = None) -> torch.fx.GraphModule:
+    """A copy of a per-chunk graph whose every node has its example value (`meta["val"]`), rows
+    symbolic: propagated on fakes shaped as its placeholders' values (rewrites such as the peephole's
+    add nodes without one); `scalars` (name -> dtype) names placeholders that have none, 0-d (a
+    column tile's `column_offset`)."""
+    import copy
+
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    copied = copy.deepcopy(gm)
+    fake_mode, rows = symbolic_rows_mode()
+    with fake_mode:
+        fakes = []
+        for node in copied.graph.find_nodes(op="placeholder"):
+            if "val" not in node.meta and node.name in (scalars or {}):
+                node.meta["val"] = torch.empty((), dtype=scalars[node.name])
+            val = node.meta["val"]
+            shape = [s if isinstance(s, int) else rows for s in val.shape]
+            fakes.append(torch.empty(shape, dtype=val.dtype, device=val.device))
+    FakeTensorProp(copied, fake_mode).propagate_dont_convert_inputs(*fakes)
+    return copied
 
 
 def check_no_guards_on(fake_mode, size) -> None:

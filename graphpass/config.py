@@ -38,6 +38,12 @@ class Config:
     the forward on; False recomputes them in backward (a forward with grad that is never
     backpropagated then costs no GEMMs for them)."""
 
+    generated_kernels: bool = True
+    """On CUDA (with Triton installed), run the per-chunk kernels graphpass generates itself
+    (`graphpass.kernels`: one read of each row forward, a 2-D tiled backward) wherever it can; a
+    kernel it cannot generate is compiled by `inner`, the reason kept in the program's
+    `kernel_notes`. False: `inner` compiles every kernel. No effect on the CPU."""
+
     never_worse: bool = True
     """Run a graph as written where the memory model (`graphpass.memory`) predicts its rewrite to
     peak above it (by more than an eighth and 1 MiB), the reason recorded. Graphs with tensor- or context-parallel sites are exempt:
@@ -71,6 +77,8 @@ class Config:
             )
         if not isinstance(self.never_worse, bool):
             raise ValueError(f"graphpass: never_worse must be True or False, got {self.never_worse!r}")
+        if not isinstance(self.generated_kernels, bool):
+            raise ValueError(f"graphpass: generated_kernels must be True or False, got {self.generated_kernels!r}")
         if not isinstance(self.gradients_in_forward, bool):
             raise ValueError(f"graphpass: gradients_in_forward must be True or False, got {self.gradients_in_forward!r}")
         object.__setattr__(self, "disable_passes", check_pass_names(self.disable_passes))

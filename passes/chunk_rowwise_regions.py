@@ -278,6 +278,7 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
     for f in frozen_specs:
         gradient_free += [f.position, f.weight] + ([f.bias] if f.bias is not None else [])
     options = dict(chunk_size=config.chunk_size, chunk_budget_bytes=config.chunk_budget_bytes, inner=config.inner,
+                   generated_kernels=config.generated_kernels,
                    device=wide.meta["val"].device, index_checks=index_checks,
                    gradient_free=sorted(set(gradient_free)), frozen_heads=frozen_specs)
     try:

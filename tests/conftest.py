@@ -7,8 +7,13 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# Triton kernels the tests make run in Triton's interpreter, on CPU tensors (tests/test_kernels.py):
+# read when Triton is imported, which importing graphpass does, so before anything imports it.
+# Nothing else in the tests runs Triton (inductor compiles C++ on the CPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

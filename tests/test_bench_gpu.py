@@ -104,3 +104,22 @@ def test_a_worker_error_carries_its_traceback():
     row = _measure_or_error(None, failing)
     assert row["status"] == "error" and row["note"] == "ValueError: no such shape"
     assert "in failing" in row["traceback"] and row["traceback"].rstrip().endswith("ValueError: no such shape")
+
+
+def test_gpu_kernels_cpu_smoke_writes_a_row_per_kernel_and_gemm(tmp_path):
+    """bench.gpu_kernels' CPU smoke (Triton's interpreter): each logits case's kernels per method, forward
+    and backward, with time, bandwidth, x the copy bandwidth's time and parity against float64 within
+    bf16's; each GEMM shape with its FLOP rate."""
+    from bench import gpu_kernels
+
+    out = tmp_path / "gpu_kernels.json"
+    assert gpu_kernels.main(["--cpu-smoke", "--parts", "kernels", "gemm", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    kernels = {(r["case"], r["method"], r["direction"]) for r in rows if r["case"].startswith("logits")}
+    assert kernels == {(c, m, d) for c in gpu_kernels.KERNEL_CASES for m in gpu_kernels.KERNEL_METHODS
+                       for d in ("forward", "backward")}
+    for r in rows:
+        assert r["status"] == "ok" and r["time_ms"] > 0 and {"case", "method", "x_floor", "x_sol"} <= set(r), r
+        if r["case"].startswith("logits"):
+            assert r["x_sol"] > 0 and r["tb_s"] > 0 and r["parity"] <= gpu.PARITY_TOLERANCE["bf16"], r
+    assert {r["case"] for r in rows if "tf_s" in r} == {"gemm_logits", "gemm_dh", "gemm_dw"}

@@ -293,3 +293,38 @@ def test_row_sums_in_bf16_round_as_written(monkeypatch):
     unfactored = run()
     for got, want in zip([*as_written[0], *as_written[2]], [*unfactored[0], *unfactored[2]]):
         assert torch.equal(got, want)
+
+
+def test_per_chunk_kernels_are_compiled_for_their_rows_on_cuda_only():
+    """On CUDA a per-chunk kernel reduces each row in one program and tiles its pointwise kernels
+    in 2-D (inductor's 2-row choices split a 151936-wide row 19 ways and read it twice); the CPU
+    keeps its options, and with them its speed and memory; other compilers take none."""
+    from graphpass import _torch_api
+
+    cpu = _torch_api.kernel_options("inductor", torch.device("cpu"))
+    cuda = _torch_api.kernel_options("inductor", torch.device("cuda", 1))
+    assert cpu == {"triton.cudagraphs": False}
+    assert cuda == {"triton.cudagraphs": False, "split_reductions": False, "triton.prefer_nd_tiling": True}
+    assert _torch_api.kernel_options("aot_eager", torch.device("cuda")) is None
+    # Each is an option inductor knows (an unknown one fails only when a kernel compiles).
+    import torch._inductor.config as inductor_config
+
+    for key in cuda:
+        section, _, name = key.rpartition(".")
+        assert hasattr(getattr(inductor_config, section) if section else inductor_config, name), key
+    # A CPU kernel's first call compiles it with the CPU's options, on a 2-row sample whatever rows are hinted.
+    graph = torch.fx.symbolic_trace(lambda x: (torch.softmax(x, -1) * 2,))
+    x = torch.randn(4, V)
+    kernel = _torch_api.compile_kernel(graph, "inductor", rows=4096)
+    torch.testing.assert_close(kernel(x)[0], torch.softmax(x, -1) * 2)
+    assert kernel.options == cpu
+    assert [a.shape for a in _torch_api._sample_arguments(_traced_with_rows(graph), rows=4096)] == [(2, V)]
+
+
+def _traced_with_rows(graph):
+    """`graph` traced on fakes with symbolic rows (its placeholders' example values)."""
+    from graphpass import _torch_api
+
+    fake_mode, rows = _torch_api.symbolic_rows_mode()
+    with fake_mode:
+        return _torch_api.trace_decomposed(graph, [torch.empty(rows, V)])

@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 
 import torch
 
-from graphpass import _torch_api
+from graphpass import _torch_api, kernels
 from graphpass.analysis.layouts import Role
 from graphpass.ops import chunk_sizes, devices, head_matmul
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import ArgSpec, JointSplit
+
+log = logging.getLogger("graphpass")
 
 # How an input lies over the region's rows (`graphpass.analysis.layouts`): WIDE inputs are read through
 # views chunk by chunk, ROW inputs (narrow) flattened to [R, w], BCAST reshaped to [1, w], SCALAR
@@ -64,7 +67,7 @@ class RegionProgram:
     """A region's per-chunk math plus how to lay its inputs and outputs over rows."""
 
     def __init__(self, graph_module, inputs, outputs, *, chunk_size, chunk_budget_bytes, inner, device,
-                 index_checks=(), gradient_free=(), frozen_heads=()):
+                 index_checks=(), gradient_free=(), frozen_heads=(), generated_kernels=True):
         self.graph_module = graph_module
         self.device = torch.device(device)  # the kernels are traced and compiled for this device
         self.inputs: list[InputSpec] = list(inputs)
@@ -72,6 +75,10 @@ class RegionProgram:
         self.chunk_size = chunk_size
         self.chunk_budget_bytes = chunk_budget_bytes
         self.inner = inner
+        self.generated_kernels = generated_kernels  # `Config.generated_kernels`
+        # kernel kind -> why graphpass runs the inner compiler's kernel for it, not one it generated
+        # (`graphpass.kernels`); absent where the generated one runs, or none was asked for.
+        self.kernel_notes: dict[str, str] = {}
         self.index_checks = tuple(index_checks)  # (input position, ignore_index or None): token ids
         # Inputs the program reads only under no_grad (a teacher's logits): they get no gradient.
         self.gradient_free = tuple(gradient_free)
@@ -101,7 +108,7 @@ class RegionProgram:
         """Everything that makes this program compute what it computes (its key hashes it)."""
         return (OPS_FORMAT, self.graph_module.code, self.inputs, self.outputs,
                 self.chunk_size, self.chunk_budget_bytes, self.inner, str(self.device), self.index_checks,
-                self.gradient_free, self.frozen_heads)
+                self.gradient_free, self.frozen_heads, self.generated_kernels)
 
     @property
     def total_positions(self) -> tuple[int, ...]:
@@ -129,6 +136,20 @@ class RegionProgram:
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         """Rows per chunk for these inputs; here forward and backward chunk alike."""
         return self.rows_per_chunk(rows, vocab, tensors[self.wide_input_positions[0]].element_size())
+
+    def _rows_per_call(self, kernel, tensors, rows: int, vocab: int, backward: bool) -> int:
+        """Rows per call of `kernel`: every row at once for a generated kernel over given wide inputs
+        when no chunk size is configured (it allocates its narrow outputs only, and each call costs
+        the host a launch), else a chunk's."""
+        if isinstance(kernel, kernels.rowwise.GeneratedKernel) and self.chunk_size is None \
+                and not self._chunks_compute_wide_inputs():
+            return rows
+        return self._chunk_rows(tensors, rows, vocab, backward)
+
+    def _chunks_compute_wide_inputs(self) -> bool:
+        """True where a chunk's wide inputs are computed for it (a frozen head's logits): then its rows
+        bound that memory."""
+        return bool(self.frozen_heads)
 
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4) -> int:
         """Transient bytes of one chunk's kernels, beyond the op's inputs and outputs (and a chunk
@@ -234,8 +255,9 @@ class RegionProgram:
         outs = [torch.empty(rows, spec.width, dtype=spec.dtype, device=wide.device) for spec in self.outputs]
         outs += self.empty_saved(wide)
         if rows:
-            kernel = self._get_forward_kernel()  # first: compiling it tells its temporaries
-            chunk = self._chunk_rows(tensors, rows, vocab, backward=False)
+            # First: compiling it (for the chunk's rows as far as known) tells its temporaries.
+            kernel = self._get_forward_kernel(self._chunk_rows(tensors, rows, vocab, backward=False))
+            chunk = self._rows_per_call(kernel, tensors, rows, vocab, backward=False)
             with torch.no_grad():
                 for sl, args in self._chunks(tensors, rows, blocks, chunk):
                     for out, value in zip(outs, kernel(*self._kernel_args(tensors, args, sl))):
@@ -259,20 +281,41 @@ class RegionProgram:
             devices.check(~bad.any(), describe, f"graphpass: a token id is outside the vocabulary [0, {vocab}); "
                                                 "check the targets/labels passed to the loss")
 
-    def _get_forward_kernel(self):
+    def _get_forward_kernel(self, rows: int | None = None):
         if self._forward_kernel is None:
-            self._forward_kernel = self._compile(self.split.forward)
+            self._forward_kernel = self._generated("forward", self.split.forward) \
+                or self._compile(self.split.forward, rows=rows)
         return self._forward_kernel
 
-    def _compile(self, graph_module, measure: bool = True, fallback=None):
+    def _compile(self, graph_module, measure: bool = True, fallback=None, rows: int | None = None):
         """The inner compiler's kernel; with `measure`, compiled at once to learn its temporaries
         (`kernel_temporary_bytes`): a kernel over vocabulary tiles is not (its width is the tile's).
+        `rows`: the rows of the chunks it will run, where known (`_torch_api.compile_kernel`).
         Where the compiler fails, `fallback()` gives the kernel instead (else the graph runs uncompiled)."""
         # Regenerate the module's code now, at run time: code generated while Dynamo was
         # compiling the user's graph is on Dynamo's skip list and would not compile.
         graph_module.recompile()
         width = next((spec.width for spec in self.inputs if spec.role == WIDE), None) if measure else None
-        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback)
+        return _torch_api.compile_kernel(graph_module, self.inner, wide_width=width, fallback=fallback, rows=rows)
+
+    def _generated(self, kind: str, graph_module):
+        """The kernel `graphpass.kernels` generates for `graph_module` (a `kind` of kernel), compiled
+        and run once on zeros, or None, the reason in `kernel_notes`."""
+        reason = kernels.unavailable(self.device, self.generated_kernels)
+        if reason is None:
+            try:
+                kernel = kernels.generate(graph_module, kind)
+                kernel.compile_now(self.device)
+                kernel.temporary_bytes = 0  # it allocates nothing but its outputs
+                return kernel
+            except kernels.NotGenerated as e:
+                reason = str(e)
+            except Exception as e:  # noqa: BLE001 - Triton failed on it: the inner compiler's kernel runs
+                reason = f"Triton could not compile or run it: {type(e).__name__}: {e}".splitlines()[0]
+            log.info("graphpass: the %s kernel of region program %s is compiled by %s, not generated: %s",
+                     kind, self.key, self.inner, reason)
+        self.kernel_notes[kind] = reason
+        return None
 
     def _backward_in_two(self, active, wanted):
         """The backward kernel as two compiled kernels (`JointSplit.backward_in_two`), one callable
@@ -306,8 +349,10 @@ class RegionProgram:
         if rows:
             row_seeds = [self._row_seed(self.outputs[j], seed, rows, device) for j, seed in zip(reduced, seeds)]
             # Without gradients to compute (no input needs one) the forward kernel alone.
-            kernel = self._get_gradient_kernel("fused", reduced, wanted) if wanted else self._get_forward_kernel()
-            chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
+            hint = self._chunk_rows(tensors, rows, vocab, backward=True)
+            kernel = (self._get_gradient_kernel("fused", reduced, wanted, hint) if wanted
+                      else self._get_forward_kernel(hint))
+            chunk = self._rows_per_call(kernel, tensors, rows, vocab, backward=True)
             sinks, sums = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk)
             n = len(self.outputs)
             with torch.no_grad():
@@ -358,8 +403,9 @@ class RegionProgram:
             return grads
         rows, vocab, blocks = self._layout(tensors)
         flat_grad_outputs = [grad_outputs[i].reshape(rows, self.outputs[i].width) for i in active]
-        kernel = self._get_gradient_kernel("backward", active, wanted)  # first: it tells its temporaries
-        chunk = self._chunk_rows(tensors, rows, vocab, backward=True)
+        # First: compiling it (for the chunk's rows as far as known) tells its temporaries.
+        kernel = self._get_gradient_kernel("backward", active, wanted, self._chunk_rows(tensors, rows, vocab, True))
+        chunk = self._rows_per_call(kernel, tensors, rows, vocab, backward=True)
         row_values = [*saved, *flat_grad_outputs]
         sinks, totals = self._gradient_destinations(tensors, needs_grad, wanted, rows, vocab, chunk,
                                                     backward=(active, row_values))
@@ -424,12 +470,13 @@ class RegionProgram:
         `_gradient_destinations`)."""
         return _GradBuffer(i, tensors[i], rows)
 
-    def _get_gradient_kernel(self, kind: str, active, wanted):
+    def _get_gradient_kernel(self, kind: str, active, wanted, rows: int | None = None):
         key = (kind, active, wanted)
         if key not in self._gradient_kernels:
             graph = self._traced.pop(key, None) or getattr(self.split, kind)(active, wanted)
             fallback = (lambda: self._backward_in_two(active, wanted)) if kind == "backward" else None
-            self._gradient_kernels[key] = self._compile(graph, measure=kind != "column_tile", fallback=fallback)
+            self._gradient_kernels[key] = self._generated(kind, graph) or self._compile(
+                graph, measure=kind != "column_tile", fallback=fallback, rows=rows)
         return self._gradient_kernels[key]
 
     def prepare_gradients_in_forward(self, needs_grad) -> None:

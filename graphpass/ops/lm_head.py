@@ -177,6 +177,9 @@ class LinearHeadProgram(RegionProgram):
     def _chunk_rows(self, tensors, rows: int, vocab: int, backward: bool) -> int:
         return self.rows_per_chunk(rows, vocab, tensors[self.head.weight].element_size(), backward)
 
+    def _chunks_compute_wide_inputs(self) -> bool:
+        return True  # each block's logits
+
     def workspace_bytes(self, rows: int, vocab: int, grad_itemsize: int = 4, backward: bool = True) -> int:
         """Transient bytes while the op runs, beyond its inputs, outputs and the gradients it returns,
         in the schedule it takes when the head's operands, and nothing else, need gradients: a
