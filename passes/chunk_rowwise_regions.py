@@ -210,16 +210,33 @@ def _input_spec(node, rows) -> InputSpec:
     lay = rowlocal.layout_of(val, rows)
     if lay is None:
         raise RegionRejected(f"input {node.name} {tuple(val.shape)} neither spans nor broadcasts over the rows")
-    if lay.kind == BCAST:
-        return InputSpec(SCALAR, 1, val.dtype) if val.ndim == 0 else InputSpec(BCAST, _static_width(lay.width), val.dtype)
-    return InputSpec(ROW if known_equal(lay.width, 1) else WIDE, _static_width(lay.width), val.dtype)
+    if lay.kind == BCAST and val.ndim == 0:
+        return InputSpec(SCALAR, 1, val.dtype)
+    width, vocab = _width(lay.width)
+    role = BCAST if lay.kind == BCAST else ROW if known_equal(lay.width, 1) else WIDE
+    return InputSpec(role, width, val.dtype, vocab)
 
 
-def _static_width(width):
+def _width(width) -> tuple[int, bool]:
+    """(the width, or a symbolic one's example value; whether it is symbolic). Per-chunk kernels
+    are generated for one vocabulary size (vectorised over it): a symbolic one is specialised to
+    each size the op meets at run time (`RegionProgram.at_vocab`)."""
     if isinstance(width, int):
-        return width
-    # Per-chunk kernels are generated for one vocabulary size (vectorised over it).
-    raise RegionRejected(f"the width {width} along the vocabulary is symbolic")
+        return width, False
+    return size_hint(width), True
+
+
+def _one_symbolic_width(region: Region) -> None:
+    """Reject a region whose symbolic widths are not one size (a program is specialised to one)."""
+    widths = set()
+    for node in [*region.inputs, *region.outputs]:
+        lay = region.layouts.get(node) if node in region.layouts else rowlocal.layout_of(node.meta.get("val"), region.rows)
+        width = getattr(lay, "width", None)
+        if isinstance(width, torch.SymInt):
+            widths.add(width.node.expr)
+    if len(widths) > 1:
+        raise RegionRejected(f"its widths {sorted(map(str, widths))} are symbolic and not known to be equal; "
+                             "mark only the vocabulary dynamic (torch._dynamo.mark_dynamic(logits, 0) for the rows)")
 
 
 def _build_program(region: Region, config, head: LmHead | None = None, loss: SummedLoss | None = None, frozen=()):
@@ -247,6 +264,7 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         input_nodes.append(node)
     if not any(s.role == WIDE for s in specs):
         raise RegionRejected("it reads no [rows, V] input")
+    _one_symbolic_width(region)
     for o in region.outputs[len(loss.totals) if loss is not None else 0:]:
         for size in o.meta["val"].shape:  # the op's outputs take these sizes from the outer graph
             _size_source(size, region.inputs)
@@ -261,12 +279,13 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         lay = region.layouts[o]
         if not isinstance(val, torch.Tensor):
             raise RegionRejected(f"output {o.name} is not a tensor")
+        width, vocab = _width(lay.width)
         if loss is None:
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, grad_flows(o) is not False))
+            outputs.append(OutputSpec(width, val.dtype, val.ndim, grad_flows(o) is not False, vocab=vocab))
         elif j < len(loss.totals):  # a summand: the op returns its total
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, 0, True, loss.reductions[j]))
+            outputs.append(OutputSpec(width, val.dtype, 0, True, loss.reductions[j], vocab=vocab))
         else:
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, False))
+            outputs.append(OutputSpec(width, val.dtype, val.ndim, False, vocab=vocab))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
     wide = next(node for node, spec in zip(input_nodes, specs) if spec.role == WIDE)
