@@ -27,7 +27,7 @@ from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_no
                                   same_size, size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
-from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head
+from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head, not_computed_here
 from graphpass.analysis.regions import Region, find_regions, source_of
 from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
@@ -51,7 +51,8 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    heads = [_lm_head(region, modes, record) for region in regions]
+    found = [_lm_head(region, modes, record) for region in regions]
+    heads = [head for head, _ in found]
     frozen = [_frozen_heads(region, head, record) for region, head in zip(regions, heads)]
     built, taken = {}, set()  # `taken`: the loss math (and sums) sites built before took in
     # Build and label every region before the graph changes under them; those with an lm_head
@@ -60,6 +61,7 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
         region = regions[i]
         try:
             built[i] = _build_site(region, heads[i], config, modes, order, record, taken, frozen[i])
+            built[i].head_reason = built[i].head_reason or found[i][1]
         except RegionRejected as e:
             record.rejected.append(Rejection(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
@@ -89,6 +91,8 @@ class _Site:
     loss: SummedLoss | None = None
     """The per-token loss math and its sum, when the op computes its gradients in forward."""
     recompute_reason: str | None = None
+    head_reason: str | None = None
+    """Why the op reads the logits rather than computing them from the hidden states (`SiteRecord.lm_head_reason`)."""
     needs_grad: list | None = None
     """With `loss`: per op input, whether the op computes its gradient (`_needs_grad`)."""
 
@@ -128,7 +132,10 @@ def _build_site(region: Region, head: LmHead | None, config, modes, order, recor
             return _Site(region, *_build_program(region, config, head, frozen=frozen), head, frozen, recompute_reason=why)
         except RegionRejected as e:
             # The region alone may still be rewritten, reading the logits as today.
-            _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
+            head_reason = f"the region with the lm_head is not rewritten: {e}"
+            _keep_head(record, head, head_reason)
+            return _Site(region, *_build_program(region, config, frozen=frozen), frozen=frozen, recompute_reason=why,
+                         head_reason=head_reason)
     return _Site(region, *_build_program(region, config, frozen=frozen), frozen=frozen, recompute_reason=why)
 
 
@@ -154,9 +161,11 @@ def _drop_metadata_checks(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _lm_head(region: Region, modes, record) -> LmHead | None:
-    """The lm_head the region's op can absorb, or None (the reason, where there is one, recorded)."""
+def _lm_head(region: Region, modes, record) -> tuple[LmHead | None, str | None]:
+    """The lm_head the region's op can absorb, or (None, why not: the site's `lm_head_reason`;
+    a matmul that could not be taken in is also recorded as rejected)."""
     wide = [n for n in region.inputs if _is_wide_input(region, n)]
+    reason = None
     for node in wide:
         if grad_flows(node) is False and (modes[node] != modes[region.place]
                                           or any(grad_flows(n) is not False for n in wide)):
@@ -166,16 +175,17 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
             record.rejected.append(Rejection(source_of(node), f"lm_head not fused into the region at "
                                                               f"{source_of(region.anchor)}: {why}"))
         if head is None:
+            reason = reason or (why if why is not None else not_computed_here(node))
             continue
         # Another wide input is read chunk by chunk beside the head's logits (a teacher's logits,
         # a vocabulary mask); one that needs a gradient would need its own [rows, V] gradient
         # next to the head's blocks: not supported.
         if any(n is not node and n.meta["val"].is_floating_point() and grad_flows(n) is True for n in wide):
-            _keep_head(record, head, "the region reads another [rows, V] input that needs a gradient "
-                                     "besides the lm_head's logits")
-            return None
-        return head
-    return None
+            why = "the region reads another [rows, V] input that needs a gradient besides the lm_head's logits"
+            _keep_head(record, head, why)
+            return None, why
+        return head, None
+    return None, reason
 
 
 def _frozen_heads(region: Region, head: LmHead | None, record) -> tuple:
@@ -528,6 +538,8 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
         forward_workspace = program.workspace_bytes(rows, vocab, itemsize, backward=loss is not None)
         extra.update(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
                      forward_workspace_bytes=forward_workspace)
+    else:
+        extra.update(lm_head_reason=site.head_reason)
     return SiteRecord(
         kind=site_kind(label.kind for label in labels),
         source=source_of(region.anchor),
