@@ -335,6 +335,7 @@ def _finish(grower: _Grower, order, regions) -> str | None:
 
 
 _OWN_OUTPUTS = "it reads a value computed from its own outputs (e.g. an all-reduce of a row sum)"
+_COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 
 def _reads_its_own_outputs(inside, outputs, inputs) -> bool:
@@ -365,6 +366,9 @@ def _after_its_own_outputs(grower: _Grower, order) -> _Grower | None:
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
     cut = _inputs_from_outputs(inside, outputs, inputs)
+    between = (transitive_users(outputs) & transitive_inputs(cut)) - inside
+    if any(getattr(n.target, "namespace", None) in _COLLECTIVES for n in between | cut):
+        return None  # a row statistic combined over ranks (vocab-parallel code): not a keep-mask
     after = {n for n in transitive_users(cut) if n in inside}
     anchors = [n for n in nodes if n in after and n.target in rowlocal.ANCHORS]
     if after == inside:
