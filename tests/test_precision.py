@@ -61,7 +61,7 @@ def entropy_via_logsumexp(x):
 
 def squared_log_softmax(x):
     lsm = x - torch.logsumexp(x, -1, keepdim=True)
-    return (lsm * lsm).sum(-1).sum()
+    return (lsm * lsm).sum(-1)
 
 
 def smoothing_via_logsumexp(x):
