@@ -27,7 +27,7 @@ from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_no
                                   same_size, size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
-from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head
+from graphpass.analysis.lm_head import METADATA_CHECKS, LmHead, match_lm_head, not_computed_here
 from graphpass.analysis.regions import Region, find_regions, source_of
 from graphpass.analysis.summed_loss import SummedLoss, match_summed_loss
 from graphpass.ops import chunked_op
@@ -51,7 +51,8 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
     record.rejected.extend(rejected)
     modes = grad_modes(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    heads = [_lm_head(region, modes, record) for region in regions]
+    found = [_lm_head(region, modes, record) for region in regions]
+    heads = [head for head, _ in found]
     frozen = [_frozen_heads(region, head, record) for region, head in zip(regions, heads)]
     built, taken = {}, set()  # `taken`: the loss math (and sums) sites built before took in
     # Build and label every region before the graph changes under them; those with an lm_head
@@ -60,6 +61,7 @@ def chunk_rowwise_regions_pass(gm, example_inputs, *, config, record) -> torch.f
         region = regions[i]
         try:
             built[i] = _build_site(region, heads[i], config, modes, order, record, taken, frozen[i])
+            built[i].head_reason = built[i].head_reason or found[i][1]
         except RegionRejected as e:
             record.rejected.append(Rejection(source_of(region.anchor), str(e)))
             log.info("graphpass: not rewriting region at %s: %s", source_of(region.anchor), e)
@@ -89,6 +91,8 @@ class _Site:
     loss: SummedLoss | None = None
     """The per-token loss math and its sum, when the op computes its gradients in forward."""
     recompute_reason: str | None = None
+    head_reason: str | None = None
+    """Why the op reads the logits rather than computing them from the hidden states (`SiteRecord.lm_head_reason`)."""
     needs_grad: list | None = None
     """With `loss`: per op input, whether the op computes its gradient (`_needs_grad`)."""
 
@@ -128,7 +132,10 @@ def _build_site(region: Region, head: LmHead | None, config, modes, order, recor
             return _Site(region, *_build_program(region, config, head, frozen=frozen), head, frozen, recompute_reason=why)
         except RegionRejected as e:
             # The region alone may still be rewritten, reading the logits as today.
-            _keep_head(record, head, f"the region with the lm_head is not rewritten: {e}")
+            head_reason = f"the region with the lm_head is not rewritten: {e}"
+            _keep_head(record, head, head_reason)
+            return _Site(region, *_build_program(region, config, frozen=frozen), frozen=frozen, recompute_reason=why,
+                         head_reason=head_reason)
     return _Site(region, *_build_program(region, config, frozen=frozen), frozen=frozen, recompute_reason=why)
 
 
@@ -154,9 +161,11 @@ def _drop_metadata_checks(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _lm_head(region: Region, modes, record) -> LmHead | None:
-    """The lm_head the region's op can absorb, or None (the reason, where there is one, recorded)."""
+def _lm_head(region: Region, modes, record) -> tuple[LmHead | None, str | None]:
+    """The lm_head the region's op can absorb, or (None, why not: the site's `lm_head_reason`;
+    a matmul that could not be taken in is also recorded as rejected)."""
     wide = [n for n in region.inputs if _is_wide_input(region, n)]
+    reason = None
     for node in wide:
         if grad_flows(node) is False and (modes[node] != modes[region.place]
                                           or any(grad_flows(n) is not False for n in wide)):
@@ -166,16 +175,17 @@ def _lm_head(region: Region, modes, record) -> LmHead | None:
             record.rejected.append(Rejection(source_of(node), f"lm_head not fused into the region at "
                                                               f"{source_of(region.anchor)}: {why}"))
         if head is None:
+            reason = reason or (why if why is not None else not_computed_here(node))
             continue
         # Another wide input is read chunk by chunk beside the head's logits (a teacher's logits,
         # a vocabulary mask); one that needs a gradient would need its own [rows, V] gradient
         # next to the head's blocks: not supported.
         if any(n is not node and n.meta["val"].is_floating_point() and grad_flows(n) is True for n in wide):
-            _keep_head(record, head, "the region reads another [rows, V] input that needs a gradient "
-                                     "besides the lm_head's logits")
-            return None
-        return head
-    return None
+            why = "the region reads another [rows, V] input that needs a gradient besides the lm_head's logits"
+            _keep_head(record, head, why)
+            return None, why
+        return head, None
+    return None, reason
 
 
 def _frozen_heads(region: Region, head: LmHead | None, record) -> tuple:
@@ -210,16 +220,33 @@ def _input_spec(node, rows) -> InputSpec:
     lay = rowlocal.layout_of(val, rows)
     if lay is None:
         raise RegionRejected(f"input {node.name} {tuple(val.shape)} neither spans nor broadcasts over the rows")
-    if lay.kind == BCAST:
-        return InputSpec(SCALAR, 1, val.dtype) if val.ndim == 0 else InputSpec(BCAST, _static_width(lay.width), val.dtype)
-    return InputSpec(ROW if known_equal(lay.width, 1) else WIDE, _static_width(lay.width), val.dtype)
+    if lay.kind == BCAST and val.ndim == 0:
+        return InputSpec(SCALAR, 1, val.dtype)
+    width, vocab = _width(lay.width)
+    role = BCAST if lay.kind == BCAST else ROW if known_equal(lay.width, 1) else WIDE
+    return InputSpec(role, width, val.dtype, vocab)
 
 
-def _static_width(width):
+def _width(width) -> tuple[int, bool]:
+    """(the width, or a symbolic one's example value; whether it is symbolic). Per-chunk kernels
+    are generated for one vocabulary size (vectorised over it): a symbolic one is specialised to
+    each size the op meets at run time (`RegionProgram.at_vocab`)."""
     if isinstance(width, int):
-        return width
-    # Per-chunk kernels are generated for one vocabulary size (vectorised over it).
-    raise RegionRejected(f"the width {width} along the vocabulary is symbolic")
+        return width, False
+    return size_hint(width), True
+
+
+def _one_symbolic_width(region: Region) -> None:
+    """Reject a region whose symbolic widths are not one size (a program is specialised to one)."""
+    widths = set()
+    for node in [*region.inputs, *region.outputs]:
+        lay = region.layouts.get(node) if node in region.layouts else rowlocal.layout_of(node.meta.get("val"), region.rows)
+        width = getattr(lay, "width", None)
+        if isinstance(width, torch.SymInt):
+            widths.add(width.node.expr)
+    if len(widths) > 1:
+        raise RegionRejected(f"its widths {sorted(map(str, widths))} are symbolic and not known to be equal; "
+                             "mark only the vocabulary dynamic (torch._dynamo.mark_dynamic(logits, 0) for the rows)")
 
 
 def _build_program(region: Region, config, head: LmHead | None = None, loss: SummedLoss | None = None, frozen=()):
@@ -247,6 +274,7 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         input_nodes.append(node)
     if not any(s.role == WIDE for s in specs):
         raise RegionRejected("it reads no [rows, V] input")
+    _one_symbolic_width(region)
     for o in region.outputs[len(loss.totals) if loss is not None else 0:]:
         for size in o.meta["val"].shape:  # the op's outputs take these sizes from the outer graph
             _size_source(size, region.inputs)
@@ -261,12 +289,13 @@ def _build_program(region: Region, config, head: LmHead | None = None, loss: Sum
         lay = region.layouts[o]
         if not isinstance(val, torch.Tensor):
             raise RegionRejected(f"output {o.name} is not a tensor")
+        width, vocab = _width(lay.width)
         if loss is None:
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, grad_flows(o) is not False))
+            outputs.append(OutputSpec(width, val.dtype, val.ndim, grad_flows(o) is not False, vocab=vocab))
         elif j < len(loss.totals):  # a summand: the op returns its total
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, 0, True, loss.reductions[j]))
+            outputs.append(OutputSpec(width, val.dtype, 0, True, loss.reductions[j], vocab=vocab))
         else:
-            outputs.append(OutputSpec(_static_width(lay.width), val.dtype, val.ndim, False))
+            outputs.append(OutputSpec(width, val.dtype, val.ndim, False, vocab=vocab))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     _validate(module, specs, outputs)
     wide = next(node for node, spec in zip(input_nodes, specs) if spec.role == WIDE)
@@ -510,6 +539,8 @@ def _site_record(region: Region, site: _Site) -> SiteRecord:
         forward_workspace = program.workspace_bytes(rows, vocab, itemsize, backward=loss is not None)
         extra.update(lm_head=True, hidden_shape=tuple(head.hidden.meta["val"].shape),
                      forward_workspace_bytes=forward_workspace)
+    else:
+        extra.update(lm_head_reason=site.head_reason)
     return SiteRecord(
         kind=site_kind(label.kind for label in labels),
         source=source_of(region.anchor),

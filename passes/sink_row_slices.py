@@ -36,6 +36,10 @@ aten = torch.ops.aten
 
 def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
     """Rewrite `slice(f(a, b), ...)` into `f(slice(a), slice(b))` while `f` is elementwise."""
+    # An in-place op on a slice (`logits[:, :-1] /= t`) is captured as the op on the slice and a
+    # `slice_scatter` of the result back into the logits; unread, that write-back would count as a
+    # reader of the whole logits and keep the slice from moving. The captured graph is functional.
+    gm.graph.eliminate_dead_code()
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.split.Tensor:
             _split_as_slices(gm.graph, node)

@@ -59,3 +59,106 @@ def test_lengths_that_vary_keep_their_rewrite(fn):
     for record in backend.records:
         assert len(record.sites) == 1, record.rejected
         assert record.sites[0].lm_head == (fn is _masked_ppo_from_hidden)
+
+
+# ---- a symbolic vocabulary (issue 47, item 1) ---------------------------------------------------
+# Frameworks compile their log-prob and entropy helpers with `dynamic=True`, which makes the
+# vocabulary's size symbolic too. Each is restated from its source (verl does not install beside
+# the test extra; prime-rl does not install here).
+
+
+def verl_entropy_from_logits(logits):
+    """verl/utils/torch_functional.py: entropy_from_logits, which verl's FSDP actor compiles with
+    `torch.compile(verl_F.entropy_from_logits, dynamic=True)` (verl/workers/actor/dp_actor.py)."""
+    pd = torch.nn.functional.softmax(logits, dim=-1)
+    entropy = torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+    return entropy
+
+
+def prime_rl_selective_log_softmax(logits, index):
+    """prime-rl src/prime_rl/trainer/rl/loss.py: selective_log_softmax, `@torch.compile(dynamic=True)`."""
+    logprobs = logits.log_softmax(dim=-1)
+    return torch.gather(logprobs, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+
+
+def prime_rl_compute_entropy(shifted_logits):
+    """prime-rl src/prime_rl/trainer/rl/loss.py: compute_entropy, `@torch.compile(dynamic=True)`."""
+    with torch.no_grad():
+        pd = torch.nn.functional.softmax(shifted_logits, dim=-1)
+        entropy = torch.logsumexp(shifted_logits, dim=-1) - torch.sum(pd * shifted_logits, dim=-1)
+    return entropy
+
+
+def smoothed_cross_entropy(logits, index):
+    """Label smoothing reads 1/V: with a symbolic V, a runtime float of the op."""
+    return torch.nn.functional.cross_entropy(logits, index, label_smoothing=0.1, reduction="none")
+
+
+KINDS = {verl_entropy_from_logits: {"entropy"}, prime_rl_selective_log_softmax: {"logprob"},
+         prime_rl_compute_entropy: {"entropy"}, smoothed_cross_entropy: {"rowwise"}}
+
+
+def _with_targets(fn):
+    return fn.__code__.co_argcount == 2
+
+
+def _three_runs(fn, compiled, logits, ids):
+    """(float64, eager fp32, compiled fp32) runs: (output, gradient of the logits or None)."""
+    runs = []
+    for f, dtype in ((fn, torch.float64), (fn, torch.float32), (compiled, torch.float32)):
+        x = logits.to(dtype).clone().requires_grad_()
+        out = f(x, ids) if _with_targets(fn) else f(x)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+        if out.requires_grad:
+            (out * weights).sum().backward()
+        runs.append((out.detach(), x.grad))
+    return runs
+
+
+@pytest.mark.parametrize("fn", list(KINDS))
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_symbolic_vocabulary_is_rewritten(fn, inner):
+    """Compiled as the frameworks compile them (`dynamic=True`): one graph with symbolic rows and
+    vocabulary, one site in it, and every vocabulary and row count after that as accurate as eager
+    (`bench.fuzz`'s rule: value and gradient against float64)."""
+    from bench.fuzz import run as fuzz
+
+    torch.compiler.reset()
+    backend = graphpass.Backend(inner=inner)
+    compiled = torch.compile(fn, dynamic=True, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((6, 40), (9, 37), (3, 101), (6, 40)):
+        logits = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2
+        ids = torch.randint(0, vocab, (rows,), generator=g)
+        (ref, ref_grad), (eager, eager_grad), (ours, our_grad) = _three_runs(fn, compiled, logits, ids)
+        assert (why := fuzz.compare("value", ours, eager, ref, fuzz.RTOL[torch.float32], min_scale=1.0)) is None, why
+        assert (our_grad is None) == (eager_grad is None)
+        if eager_grad is not None:
+            assert (why := fuzz.compare("grad", our_grad, eager_grad, ref_grad, fuzz.RTOL[torch.float32])) is None, why
+    assert len(backend.records) == 1, "recompiled for a new vocabulary size"
+    (record,) = backend.records
+    assert len(record.sites) == 1, record.rejected
+    (site,) = record.sites
+    assert all(isinstance(size, torch.SymInt) for size in site.shape), site.shape
+    kinds = {o.kind for o in site.outputs}
+    assert kinds == KINDS[fn], kinds
+
+
+def test_a_vocabulary_marked_dynamic_alone():
+    """`mark_dynamic` on the vocabulary's dim only: the rows stay static, the site is rewritten,
+    and a second vocabulary size runs the same graph."""
+    torch.compiler.reset()
+    backend = graphpass.Backend(inner="aot_eager")
+    compiled = torch.compile(prime_rl_selective_log_softmax, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    for vocab in (48, 64):
+        logits = torch.randn(5, vocab, generator=g, dtype=torch.float64)
+        ids = torch.randint(0, vocab, (5,), generator=g)
+        ours, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        torch._dynamo.mark_dynamic(ours, 1)
+        compiled(ours, ids).sum().backward()
+        prime_rl_selective_log_softmax(ref, ids).sum().backward()
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-12, atol=1e-12)
+    assert len(backend.records) == 1 and len(backend.records[0].sites) == 1, backend.records[0].rejected
+    rows, vocab = backend.records[0].sites[0].shape
+    assert rows == 5 and isinstance(vocab, torch.SymInt)

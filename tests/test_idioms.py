@@ -14,6 +14,7 @@ import torch
 
 import graphpass
 import idioms  # tests/ is on sys.path (pytest's rootdir conftest import mode)
+from bench.fuzz import run as fuzz
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -43,6 +44,23 @@ def assert_close_rel(actual, expected, rtol: float, what: str):
     scale = expected.detach().float().abs().max().item() if expected.numel() else 0.0
     torch.testing.assert_close(actual.detach().float(), expected.detach().float(), rtol=rtol,
                                atol=max(rtol * scale, 1e-6), msg=lambda m: f"{what}: {m}")
+
+
+def assert_as_accurate_as_eager(fn, args, kwargs, actual, actual_grad, expected, expected_grad):
+    """Every output and the logits' gradient at most twice as far from float64 as eager's, plus a
+    dtype's slack (`bench.fuzz`'s rule: at the largest element and over the whole tensor)."""
+    logits = args[0]
+    as_float64 = lambda v: v.detach().double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    ref_logits = as_float64(logits).requires_grad_()
+    with fuzz.Float64():  # `.float()` inside the idiom keeps float64
+        reference = fn(ref_logits, *args[1:], **{k: as_float64(v) for k, v in kwargs.items()})
+        (ref_grad,) = torch.autograd.grad(reference[0], ref_logits)
+    rtol = fuzz.RTOL[logits.dtype]
+    for i, (a, e, r) in enumerate(zip(actual, expected, reference)):
+        why = fuzz.compare(f"output {i}", a.detach(), e.detach(), r.detach(), rtol, min_scale=1.0)
+        assert why is None, why
+    why = fuzz.compare("grad wrt logits", actual_grad, expected_grad, ref_grad, rtol)
+    assert why is None, why
 
 
 def site_kind(site) -> str:
@@ -84,6 +102,7 @@ def run_parity(idiom, layout, rows, dtype, chunk_size, inner="aot_eager", shape=
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_close_rel(a, e, rtol, f"output {i}")
     assert_close_rel(actual_grad, expected_grad, rtol, "grad wrt logits")
+    assert_as_accurate_as_eager(idiom.fn, (logits, tokens), extra, actual, actual_grad, expected, expected_grad)
 
     got = site_kinds(backend)
     assert got in idiom.acceptable_sites(logits[..., 0].numel()), (

@@ -392,3 +392,49 @@ def test_float64_sums_in_float64(bias):
     backend = graphpass.Backend(chunk_size=3, inner="aot_eager")
     site, _ = _site(_parity(fn, tensors, backend, atol=1e-12, rtol=1e-12))
     assert site.lm_head and site.dtype == torch.float64
+
+
+# ---- one log-softmax read two ways (issue 47, item 4) ----------------------------------------------
+
+
+def _preference_nll_on_a_slice(h, W, y):
+    """Liger's preference `chunk_forward` shape: an NLL over the chosen half `lp[:B]` of the batch
+    and a gather over all rows, from one log-softmax."""
+    lp = torch.log_softmax(h @ W.T, -1)
+    nll = torch.nn.functional.nll_loss(lp[:2].flatten(0, 1), y[:2].flatten())
+    logps = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1).sum(-1)
+    return nll - torch.nn.functional.logsigmoid(logps[:2] - logps[2:]).mean()
+
+
+def _preference_nll_of_the_gathered_rows(h, W, y):
+    """The same loss with the NLL read from the gather over all rows, sliced after."""
+    lp = torch.log_softmax(h @ W.T, -1)
+    picked = lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    logps = picked.sum(-1)
+    return -picked[:2].mean() - torch.nn.functional.logsigmoid(logps[:2] - logps[2:]).mean()
+
+
+def test_a_row_slice_of_a_log_softmax_read_whole_says_what_to_change():
+    """Sliced, the rows read by the NLL keep the `[2B, S, V]` log-softmax (and the matmul) out of
+    the region; the site says so and what to change. Changed so, the lm_head is fused, same values."""
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(4, 5, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (4, 5), generator=g)
+    results = {}
+    for fn in (_preference_nll_on_a_slice, _preference_nll_of_the_gathered_rows):
+        backend = graphpass.Backend(inner="aot_eager")
+        ours = [h.clone().requires_grad_(), W.clone().requires_grad_()]
+        torch.compile(fn, backend=backend)(*ours, y).backward()
+        results[fn] = [t.grad for t in ours]
+        (site,) = [s for r in backend.records for s in r.sites]
+        if fn is _preference_nll_on_a_slice:
+            assert not site.lm_head
+            assert site.lm_head_reason.startswith("it reads rows sliced (slice.Tensor at test_lm_head.py"), site.lm_head_reason
+            assert "slice those to take the matmul in" in site.lm_head_reason
+        else:
+            assert (site.kind, site.lm_head) == ("logprob", True), site.lm_head_reason
+    expected = [h.clone().requires_grad_(), W.clone().requires_grad_()]
+    _preference_nll_on_a_slice(*expected, y).backward()
+    for grads in results.values():
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want.grad, rtol=1e-10, atol=1e-12)

@@ -202,6 +202,9 @@ def generate(draw: Draw, data_seed: int = 0) -> Program:
 
     outs = "logp, ent" if entropy else "logp"
     per_token = [*LOGPROBS[logprob][0]]
+    # Label smoothing reads every column's log-prob: a -inf column makes it -inf in eager too.
+    if logprob == "neg_cross_entropy" and not vocab_mask and pick("label_smoothing", [False, True]):
+        per_token = [line.replace("reduction='none'", "reduction='none', label_smoothing=0.1") for line in per_token]
     if entropy:
         ent_lines = []
         if entropy == "neg_sum_p_logp" and "lp = " not in "\n".join(per_token):

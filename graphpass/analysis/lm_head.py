@@ -171,6 +171,21 @@ _SAME_LOGITS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
                 aten.alias.default, aten._to_copy.default}
 
 
+def _rows_sliced_from_a_value_read_whole(node: torch.fx.Node):
+    """(the sliced value, a reader of all its rows) when `node` slices rows (not the last dim) of a
+    value that another op reads whole (the chosen half of a preference batch, `lp[:B]`, beside a
+    gather over `lp`); else None."""
+    if node.target not in (aten.slice.Tensor, aten.select.int) or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    base = node.args[0]
+    val = fake_value(base)
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or dim % val.ndim == val.ndim - 1:
+        return None
+    readers = [u for u in base.users if u is not node and u.target not in (aten.slice.Tensor, aten.select.int)]
+    return (base, readers[0]) if readers else None
+
+
 def not_computed_here(logits: torch.fx.Node) -> str:
     """Why `logits`, which are no matmul `match_matmul` takes, cannot be computed by the op from the
     hidden states: they come from outside the graph (a graph input: the compiled function's, or a
@@ -181,6 +196,12 @@ def not_computed_here(logits: torch.fx.Node) -> str:
     if origin.op != "placeholder":
         from graphpass.analysis.regions import source_of
 
+        whole = _rows_sliced_from_a_value_read_whole(origin)
+        if whole is not None:
+            base, reader = whole
+            return (f"it reads rows sliced ({target_name(origin)} at {source_of(origin)}) from {target_name(base)} at "
+                    f"{source_of(base)}, which {target_name(reader)} at {source_of(reader)} reads over all rows; "
+                    "compute the per-row values over all rows and slice those to take the matmul in")
         return f"its logits are computed by {target_name(origin)} at {source_of(origin)}, not by a matmul of hidden states"
     where = _torch_api.graph_break_before_this_graph()
     if where is None:

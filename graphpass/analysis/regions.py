@@ -282,6 +282,14 @@ def find_regions(gm: torch.fx.GraphModule) -> tuple[list[Region], list[Rejection
         why = grower.grow()
         if why is None:
             why = _finish(grower, order, regions)
+        if why == _OWN_OUTPUTS:
+            # A keep-mask computed from the row's own values by an op that is not row-local (a
+            # top-k or top-p warper's `sort`): the region ends at the mask, what follows is
+            # rewritten, the mask's own math stays as written.
+            after = _after_its_own_outputs(grower, order)
+            while after is not None and why == _OWN_OUTPUTS:
+                why = _finish(after, order, regions)
+                after = _after_its_own_outputs(after, order) if why == _OWN_OUTPUTS else None
         if why is not None:
             rejected.append(Rejection(source_of(node), f"{target_name(node)}: {why}"))
     return regions, rejected
@@ -314,7 +322,7 @@ def _finish(grower: _Grower, order, regions) -> str | None:
         return "it reads a value computed after its last grad-mode op"
     if _reads_its_own_outputs(inside, outputs, inputs):
         # One op cannot both produce a value and read what is computed from it.
-        return "it reads a value computed from its own outputs (e.g. an all-reduce of a row sum)"
+        return _OWN_OUTPUTS
     why = _grad_mode_conflict(nodes, outputs, place, grower.modes)
     if why is not None:
         return why
@@ -326,18 +334,51 @@ def _finish(grower: _Grower, order, regions) -> str | None:
     return None
 
 
+_OWN_OUTPUTS = "it reads a value computed from its own outputs (e.g. an all-reduce of a row sum)"
+_COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
+
+
 def _reads_its_own_outputs(inside, outputs, inputs) -> bool:
     """Whether an input of the region is computed, outside it, from one of its outputs."""
-    inputs, seen, todo = set(inputs), set(), list(outputs)
+    return bool(_inputs_from_outputs(inside, outputs, inputs))
+
+
+def _inputs_from_outputs(inside, outputs, inputs) -> set:
+    """The inputs of the region computed, outside it, from one of its outputs."""
+    inputs, seen, todo, found = set(inputs), set(), list(outputs), set()
     while todo:
         for user in todo.pop().users:
             if user in inside or user in seen or user.op == "output":
                 continue
             if user in inputs:
-                return True
+                found.add(user)
             seen.add(user)
             todo.append(user)
-    return False
+    return found
+
+
+def _after_its_own_outputs(grower: _Grower, order) -> _Grower | None:
+    """The part of a grown region that reads, directly or through the region, the inputs computed
+    from its own outputs (a keep-mask from the row's own probabilities): a region of its own that
+    reads the part before as inputs. None where that part normalises nothing."""
+    nodes = sorted(grower.nodes, key=order.__getitem__)
+    inside = set(nodes)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+    cut = _inputs_from_outputs(inside, outputs, inputs)
+    between = (transitive_users(outputs) & transitive_inputs(cut)) - inside
+    if any(getattr(n.target, "namespace", None) in _COLLECTIVES for n in between | cut):
+        return None  # a row statistic combined over ranks (vocab-parallel code): not a keep-mask
+    after = {n for n in transitive_users(cut) if n in inside}
+    anchors = [n for n in nodes if n in after and n.target in rowlocal.ANCHORS]
+    if after == inside:
+        return None  # nothing cut off: it would read its own outputs again
+    if not anchors or not any(catalogue.normalises(n) for n in after):
+        return None
+    part = _Grower(anchors[0], grower.modes, grower.claimed)
+    part.rows, part.vocabs, part.layouts = grower.rows, grower.vocabs, grower.layouts
+    part.nodes = after
+    return part
 
 
 def _place(nodes, modes) -> torch.fx.Node:

@@ -50,6 +50,9 @@ class InputSpec:
     role: Role
     width: int  # canonical width w (1 for SCALAR)
     dtype: torch.dtype
+    vocab: bool = False
+    """The width is the vocabulary's, symbolic in the user's graph: `width` is its example value,
+    and the op runs the program specialised to each run-time size (`RegionProgram.at_vocab`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,8 @@ class OutputSpec:
     reduction: str | None = None
     """"sum" or "mean": the op returns the 0-d total of this per-row output over all rows, of
     `dtype` (only in `forward_with_gradients`, see `graphpass.analysis.summed_loss`)."""
+    vocab: bool = False
+    """As `InputSpec.vocab`."""
 
 
 class RegionProgram:
@@ -86,6 +91,9 @@ class RegionProgram:
         # teacher's lm_head under no_grad): `head_matmul.HeadSpec`s, their operands gradient-free.
         self.frozen_heads: tuple[HeadSpec, ...] = tuple(frozen_heads)
         self.frozen_positions = frozenset(h.position for h in self.frozen_heads)
+        self._options = dict(chunk_size=chunk_size, chunk_budget_bytes=chunk_budget_bytes, inner=inner, device=device,
+                             index_checks=index_checks, gradient_free=gradient_free, frozen_heads=frozen_heads)
+        self._at_vocab: dict[int, RegionProgram] = {}
         self.key = self._content_key()
         self.split = JointSplit(graph_module, [_arg_spec(spec) for spec in self.inputs],
                                 differentiable_outputs=[j for j, o in enumerate(self.outputs) if o.keeps_grad],
@@ -97,6 +105,30 @@ class RegionProgram:
         # (`JointSplit.backward` / `.fused`); graphs traced ahead wait, uncompiled, in `_traced`.
         self._gradient_kernels: dict[tuple, object] = {}
         self._traced: dict[tuple, torch.fx.GraphModule] = {}
+
+    @property
+    def symbolic_vocab(self) -> bool:
+        """Whether the vocabulary's size is symbolic in the user's graph (see `InputSpec.vocab`)."""
+        return any(spec.vocab for spec in [*self.inputs, *self.outputs])
+
+    def at_vocab(self, vocab: int) -> RegionProgram:
+        """This program for a run-time vocabulary size: itself at its example size (or when the
+        size is static), else the same per-chunk math with kernels traced for `vocab`, built once
+        per size. The per-chunk graph reads the vocabulary's size from its chunks, never a number."""
+        vocab = int(vocab)
+        example = next(spec.width for spec in [*self.inputs, *self.outputs] if spec.vocab) if self.symbolic_vocab else None
+        if example is None or vocab == example:
+            return self
+        if vocab not in self._at_vocab:
+            if type(self) is not RegionProgram:
+                raise RuntimeError(f"graphpass: {type(self).__name__} is built for one vocabulary size")
+            resize = lambda spec: dataclasses.replace(spec, width=vocab) if spec.vocab else spec
+            specialised = RegionProgram(self.graph_module, [resize(s) for s in self.inputs],
+                                        [resize(s) for s in self.outputs], **self._options)
+            if specialised.split.saved != self.split.saved:  # the fake outputs are the example's
+                raise RuntimeError(f"graphpass: the row statistics of program {self.key} depend on the vocabulary size")
+            self._at_vocab[vocab] = specialised
+        return self._at_vocab[vocab]
 
     def _content_key(self) -> str:
         # Content-addressed, so a compiled graph cached on disk by another process can only
@@ -529,19 +561,21 @@ def register(program_: RegionProgram) -> str:
     return program_.key
 
 
-def program(key: str) -> RegionProgram:
+def program(key: str, tensors=None) -> RegionProgram:
+    """The registered program; given the op's (real) `tensors`, specialised to their vocabulary."""
     try:
-        return _PROGRAMS[key]
+        found = _PROGRAMS[key]
     except KeyError:
         raise RuntimeError(f"graphpass: region program {key} is not registered in this process; "
                            "recompile the function with backend='graphpass'") from None
+    return found.at_vocab(found._vocab(tensors)) if tensors is not None and found.symbolic_vocab else found
 
 
 @torch.library.custom_op("graphpass::rowwise_chunked", mutates_args=(),
                         tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def rowwise_chunked(key: str, tensors: list[torch.Tensor], out_sizes: list[int]) -> list[torch.Tensor]:
     """Run a registered row-local region chunk by chunk; see `RegionProgram`."""
-    return program(key).forward(tensors, out_sizes)
+    return program(key, tensors).forward(tensors, out_sizes)
 
 
 @rowwise_chunked.register_fake
@@ -554,7 +588,7 @@ def _(key, tensors, out_sizes):
 def rowwise_chunked_backward(key: str, tensors: list[torch.Tensor], saved: list[torch.Tensor],
                              grad_outputs: list[torch.Tensor | None], needs_grad: list[bool]) -> list[torch.Tensor]:
     """Gradients of the inputs flagged in `needs_grad`, in order; see `RegionProgram.backward`."""
-    grads = program(key).backward(tensors, saved, needs_grad, grad_outputs)
+    grads = program(key, tensors).backward(tensors, saved, needs_grad, grad_outputs)
     return [empty_gradient(t).zero_() if g is None else g
             for t, g, need in zip(tensors, grads, needs_grad) if need]
 

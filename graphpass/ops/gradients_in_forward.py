@@ -32,7 +32,7 @@ def rowwise_chunked_with_gradients(key: str, tensors: list[torch.Tensor], out_si
                                    needs_grad: list[bool], seeds: list[torch.Tensor]) -> list[torch.Tensor]:
     """Outputs, the carrier, the flagged inputs' gradients for the totals' gradients `seeds`, then
     how many backward passes used them (0, int64, on the CPU)."""
-    outs = program(key).forward_with_gradients(tensors, out_sizes, needs_grad, seeds)
+    outs = program(key, tensors).forward_with_gradients(tensors, out_sizes, needs_grad, seeds)
     return outs + [torch.zeros((), dtype=torch.int64)]
 
 
