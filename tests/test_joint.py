@@ -80,13 +80,7 @@ def test_the_forward_sums_each_row_in_one_pass_after_its_max():
     sums = [n for n in forward.graph.nodes if n.target is aten.sum.dim_IntList]
     assert len(sums) == 2
     for node in sums:
-        ancestors, todo = set(), list(node.all_input_nodes)
-        while todo:
-            n = todo.pop()
-            if n not in ancestors:
-                ancestors.add(n)
-                todo.extend(n.all_input_nodes)
-        assert not any(a.target is aten.sum.dim_IntList for a in ancestors)
+        assert not any(a.target is aten.sum.dim_IntList for a in ancestors(node))
 
 
 @pytest.mark.parametrize("active", [(0,), (1,), (0, 1)])
@@ -328,3 +322,14 @@ def _traced_with_rows(graph):
     fake_mode, rows = _torch_api.symbolic_rows_mode()
     with fake_mode:
         return _torch_api.trace_decomposed(graph, [torch.empty(rows, V)])
+
+
+def ancestors(node) -> set:
+    """Every node `node` reads, directly or not."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import graphpass
 from bench.fuzz import run as fuzz
 from graphpass.ops import chunked_op, peephole, row_sums
+from test_joint import ancestors  # tests/ is on sys.path
 
 
 def _run(fn, x, dtype):
@@ -98,14 +99,4 @@ def test_log_softmax_entropy_is_still_one_pass():
     split = JointSplit(program, [ArgSpec((4, 64), torch.float32, True, True)], (0,), (0,), torch.device("cpu"))
     sums = [n for n in split.forward.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
     # Both sums read exp(x - max) and (x - max) * exp(x - max), not the log-sum-exp.
-    assert sums and all(not any(a.target is torch.ops.aten.log.default for a in _ancestors(n)) for n in sums)
-
-
-def _ancestors(node):
-    seen, stack = set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    assert sums and all(not any(a.target is torch.ops.aten.log.default for a in ancestors(n)) for n in sums)

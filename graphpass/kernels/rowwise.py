@@ -226,20 +226,21 @@ def _parameters(program: _Program) -> list[str]:
 
 def _wide(expr: str, kind: str) -> str:
     """`expr` as a `[BM, BV]` block (a row value broadcast along the row, a column value down it)."""
-    if kind == WIDE:
-        return expr
-    if kind == CONST:
-        return f"tl.full((BM, BV), {expr}, tl.float32)"
-    return f"tl.broadcast_to({expr}, (BM, BV))"
+    return _block(expr, kind, WIDE, "BV")
 
 
 def _rows(expr: str, kind: str) -> str:
     """`expr` as a `[BM, 1]` block."""
-    if kind == ROW:
+    return _block(expr, kind, ROW, "1")
+
+
+def _block(expr: str, kind: str, already: str, width: str) -> str:
+    """`expr` (of `kind`) as a `[BM, width]` block: as it is when its kind is `already` that shape."""
+    if kind == already:
         return expr
     if kind == CONST:
-        return f"tl.full((BM, 1), {expr}, tl.float32)"
-    return f"tl.broadcast_to({expr}, (BM, 1))"
+        return f"tl.full((BM, {width}), {expr}, tl.float32)"
+    return f"tl.broadcast_to({expr}, (BM, {width}))"
 
 
 _HEADER = """import triton
