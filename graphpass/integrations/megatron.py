@@ -37,6 +37,7 @@ Function's does, and always issues its one collective.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -85,12 +86,31 @@ def _linear(input, weight, bias, allreduce_dgrad: bool, sequence_parallel: bool,
     return output
 
 
-def _unsupported(gradient_accumulation_fusion, grad_output_buffer, allreduce_dgrad, sequence_parallel) -> str | None:
+def _binder(function):
+    """A function of (args, kwargs) giving `function`'s arguments by name, defaults filled in
+    (a plain dict: Dynamo traces it where it would not trace `inspect`)."""
+    parameters = inspect.signature(function).parameters
+    names = list(parameters)
+    defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+
+    def bind(args, kwargs):
+        bound = dict(defaults)
+        bound.update(zip(names, args))
+        bound.update(kwargs)
+        return bound
+
+    return bind
+
+
+def _unsupported(gradient_accumulation_fusion, grad_output_buffer, allreduce_dgrad, sequence_parallel,
+                 gtp_remat_size=1) -> str | None:
     """Why the stand-in cannot compute what megatron-core's Function does, or None."""
     if gradient_accumulation_fusion:
         return "gradient_accumulation_fusion=True (the weight's gradient goes into weight.main_grad)"
     if grad_output_buffer is not None:
         return "a deferred weight gradient (grad_output_buffer)"
+    if gtp_remat_size != 1:
+        return f"gtp_remat_size={gtp_remat_size} (a GTP-sharded weight, all-gathered before its matmul)"
     if allreduce_dgrad and sequence_parallel:
         return "allreduce_dgrad and sequence_parallel together (megatron-core refuses them in backward)"
     return None
@@ -113,25 +133,30 @@ def register_for(layers) -> bool:
     if _registered:
         return True
     group_if_none = layers.get_tensor_model_parallel_group_if_none
+    trainable, frozen = layers.linear_with_grad_accumulation_and_async_allreduce, layers.linear_with_frozen_weight
+    # The stand-ins take *args and bind them by the installed megatron-core's own signature:
+    # releases differ (0.19 drops async_grad_allreduce and adds gtp_remat_size).
+    bind_trainable, bind_frozen = _binder(trainable), _binder(frozen)
     try:
-        @torch.compiler.substitute_in_graph(layers.linear_with_grad_accumulation_and_async_allreduce)
-        def linear_with_grad_accumulation_and_async_allreduce(
-                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None):
-            why = _unsupported(gradient_accumulation_fusion, grad_output_buffer, allreduce_dgrad, sequence_parallel)
+        @torch.compiler.substitute_in_graph(trainable)
+        def linear_with_grad_accumulation_and_async_allreduce(*args, **kwargs):
+            a = bind_trainable(args, kwargs)
+            why = _unsupported(a["gradient_accumulation_fusion"], a.get("grad_output_buffer"), a["allreduce_dgrad"],
+                               a["sequence_parallel"], a.get("gtp_remat_size", 1))
             if why is not None:
                 _break_for(why)
-            return _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, group_if_none(tp_group))
+            return _linear(a["input"], a["weight"], a["bias"], a["allreduce_dgrad"], a["sequence_parallel"],
+                           group_if_none(a.get("tp_group")))
 
-        @torch.compiler.substitute_in_graph(layers.linear_with_frozen_weight)
-        def linear_with_frozen_weight(
-                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group,
-                grad_output_buffer=None, wgrad_deferral_limit=None, async_grad_allreduce=None):
-            why = _unsupported(False, grad_output_buffer, allreduce_dgrad, sequence_parallel)
+        @torch.compiler.substitute_in_graph(frozen)
+        def linear_with_frozen_weight(*args, **kwargs):
+            a = bind_frozen(args, kwargs)
+            why = _unsupported(False, a.get("grad_output_buffer"), a["allreduce_dgrad"], a["sequence_parallel"],
+                               a.get("gtp_remat_size", 1))
             if why is not None:
                 _break_for(why)
-            return _linear(input, weight, bias, allreduce_dgrad, sequence_parallel, group_if_none(tp_group),
-                           bias_grad=False)
+            return _linear(a["input"], a["weight"], a["bias"], a["allreduce_dgrad"], a["sequence_parallel"],
+                           group_if_none(a.get("tp_group")), bias_grad=False)
     except ValueError as error:  # another polyfill for the same function (torch refuses a second)
         log.warning("graphpass: megatron-core's linear layer keeps its graph break: %s", error)
         return False
