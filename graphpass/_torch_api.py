@@ -458,7 +458,10 @@ def drop_function_intermediates(gm: torch.fx.GraphModule, node: torch.fx.Node) -
 
     forward_attr, backward_attr = node.args[0].target, node.args[1].target
     forward, backward = getattr(gm, forward_attr), getattr(gm, backward_attr)
-    returned, saved = forward.graph.output_node().args[0]
+    body_output = forward.graph.output_node().args[0]
+    if not (isinstance(body_output, (tuple, list)) and len(body_output) == 2):
+        return "its forward body does not return ((outputs), (saved values)) as Dynamo's does from torch 2.11 on"
+    returned, saved = body_output
     grads = list(backward.graph.find_nodes(op="placeholder"))
     cannot = "Dynamo returns values that are not the Function's outputs with them, and "
     if len(grads) != len(returned) + len(saved):
