@@ -36,7 +36,8 @@ import operator
 import torch
 import torch.fx
 
-from graphpass._torch_api import detect_fake_mode, fake_node, functional_collectives, same_shape, same_size
+from graphpass._torch_api import (detect_fake_mode, fake_node, functional_collectives, same_shape, same_size,
+                                  schema_of)
 from graphpass.fx_utils import hashable
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
@@ -97,27 +98,45 @@ def _fold_loops(graph, collectives: bool) -> None:
         for node in reversed(list(graph.nodes)):
             if node.target in _ACCUMULATES and node.users and not any(u.target in _ACCUMULATES for u in node.users):
                 _sum_chain_as_product(graph, node)
+    # Functionalization re-derives a view from its base after each write into a buffer, and
+    # `sink_row_slices` gives each reader its own slice: iterations that read one `x` through
+    # copies of the same view are one loop.
+    _merge_duplicates(graph, lambda node: node.target in _PICKS)
     folder = _Folder(graph, collectives)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in (aten.cat.default, aten.stack.default):
             folder.fold(node)
     graph.eliminate_dead_code()
-    _merge_duplicates(graph, folder.built)
+    # A fold rebuilds the loop's body over all rows, which the code may already compute outside
+    # the loop (the lm_head product a gather reads, the log-softmax another buffer's loop folds).
+    _merge_duplicates(graph, folder.built.__contains__)
 
 
-def _merge_duplicates(graph, built: set) -> None:
-    """One node for each op the folds built twice on the same operands in the same grad mode
-    (two buffers filled by one loop each fold the loop's shared `log_softmax`): one region."""
+#: Ops that pick or rearrange a value's elements.
+_PICKS = catalogue.VIEWS | {aten.slice.Tensor, aten.select.int, aten.permute.default, aten.t.default,
+                            aten.transpose.int}
+
+
+def _merge_duplicates(graph, merge) -> None:
+    """Each node for which `merge(node)` holds replaced by an earlier node that computes the same op
+    of the same operands in the same grad mode: one value, so that its readers are one region.
+    Ops that draw random numbers or write into their inputs are never the same op twice."""
     modes, seen = grad_modes(graph), {}
     for node in list(graph.nodes):
-        if node not in built:
+        if node.op != "call_function" or not _pure(node.target):
             continue
         key = (node.target, hashable(node.args), hashable(node.kwargs), modes[node])
-        if key in seen:
+        if key not in seen:
+            seen[key] = node
+        elif merge(node):
             node.replace_all_uses_with(seen[key])
             graph.erase_node(node)
-        else:
-            seen[key] = node
+
+
+def _pure(target) -> bool:
+    schema = schema_of(target)
+    return (schema is not None and not schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()))
 
 
 # ---- a buffer filled chunk by chunk --------------------------------------------------------------
@@ -429,6 +448,17 @@ class _Loop:
         return sorted(batched - picks, key=order.__getitem__)
 
 
+def _is_vector_matmul(node) -> bool:
+    """`linear(h, W[, b])` or `matmul(h, W)` of one row `h` (a vector) and a 2-D `W`: one
+    iteration of a loop over an lm_head's rows (`for row in hidden: row @ W.T`)."""
+    if node.target not in catalogue.ROW_MATMULS or node.kwargs:
+        return False
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    return (len(vals) >= 2 and all(isinstance(v, torch.Tensor) for v in vals[:2]) and vals[0].ndim == 1
+            and vals[1].ndim == 2 and node.meta["val"].ndim == 1
+            and all(v is None or (isinstance(v, torch.Tensor) and v.ndim == 1) for v in vals[2:]))
+
+
 class _Batcher:
     """Rebuilds piece 0's body over all rows. Each batched node's loop dim (`batch_dim`, in the
     batched node's own dims) is tracked, so each op's dim arguments can be moved past it."""
@@ -467,7 +497,7 @@ class _Batcher:
         elif (_is_elementwise(target) or (self.collectives and target in _ROW_COLLECTIVES)
               or _is_masked_write(node)):
             b = self._broadcast_batch_dim(node)
-        elif catalogue.is_row_matmul(node):
+        elif catalogue.is_row_matmul(node) or (self.stack and _is_vector_matmul(node)):
             b = self._row_matmul_batch_dim(node)
         elif target is aten.transpose.int:
             b = self._transposed_batch_dim(node, args)

@@ -86,17 +86,10 @@ def n_chunks(rows: int, chunk: int) -> int:
     return -(-rows // chunk)
 
 
-def lp_and_entropy(logprob, entropy, lse_loop_rows: int = 0) -> tuple[tuple[str, ...], ...]:
+def lp_and_entropy(logprob, entropy) -> tuple[tuple[str, ...], ...]:
     """A log-prob and an entropy of the same logits: one merged site (ideal), or one of `logprob`'s
-    and one of `entropy`'s alternatives. `lse_loop_rows`: the log-prob is fp32's gather minus a
-    logsumexp looped over that many leading rows, which may also be rewritten loop step by loop
-    step (bare logsumexp sites), the gather of the sampled logits then joining a whole-entropy site;
-    every [rows, V] intermediate is chunked either way."""
-    logprob, merged = list(logprob), [("entropy+logprob",)]
-    if lse_loop_rows:
-        logprob.append(("rowwise",) * lse_loop_rows)
-        merged.append(("entropy+rowwise",) + ("rowwise",) * lse_loop_rows)
-    return choices(logprob, entropy, merged=merged)
+    and one of `entropy`'s alternatives."""
+    return choices(list(logprob), entropy, merged=[("entropy+logprob",)])
 
 
 MERGED = ("entropy+logprob",)

@@ -154,24 +154,23 @@ def actor_model_dtype(hidden, weight, sequences, action_mask, old_log_probs, adv
     return loss, clip_ratio, ppo_kl
 
 
-_LSE = [("logprob",), ("rowwise",) * n_chunks(B * S, LSE_CHUNK)]
 
 CASES = [
     Case("openrlhf_actor_ppo_kl", "OpenRLHF",
          "openrlhf/models/utils.py:log_probs_from_logits (div_, _logsumexp_by_chunk), compute_approx_kl(k3); "
          "openrlhf/models/actor.py:Actor.forward; openrlhf/models/loss.py:PolicyLoss (dual_clip)",
-         actor_ppo_kl, actor_inputs(21, TEMP), choices(_LSE), temperature="/ 0.7"),
+         actor_ppo_kl, actor_inputs(21, TEMP), (("logprob",),), temperature="/ 0.7"),
     Case("openrlhf_gspo_entropy", "OpenRLHF",
          "openrlhf/models/utils.py:compute_entropy, log_probs_from_logits (T=1, buffer loop); "
          "openrlhf/models/loss.py:PolicyLoss(policy_loss_type='gspo'), aggregate_loss(token_level_loss=False); "
          "openrlhf/trainer/ray/ppo_actor.py entropy bonus",
          actor_gspo_entropy, actor_inputs(22, 1.0, gspo=True),
-         lp_and_entropy([("logprob",)], [("entropy",)], lse_loop_rows=n_chunks(B * S, LSE_CHUNK)),
+         lp_and_entropy([("logprob",)], [("entropy",)]),
          grad_kinds=("logprob", "entropy"), temperature=None),
     Case("openrlhf_actor_model_dtype", "OpenRLHF",
          "openrlhf/models/utils.py:log_probs_from_logits (the per-row loop for bf16, the fp32 branch); "
          "an actor passing output['logits'][:, :-1, :] uncast; openrlhf/models/loss.py:PolicyLoss",
          actor_model_dtype, actor_inputs(23, 1.0),
          {"fp32": choices([("logprob",), ("rowwise",) * n_chunks(B * (S - 1), LSE_CHUNK)]),
-          "bf16": choices(one_or_each("logprob", B))}, temperature=None),
+          "bf16": (("logprob",),)}, temperature=None),
 ]

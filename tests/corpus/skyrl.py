@@ -127,8 +127,7 @@ def skyrl_inputs(seed, gspo):
 
 _ENT = one_or_each("entropy", n_chunks(S, ENT_CHUNK))
 # logprobs_from_logits_v2 over B rows: fp32 gathers once and loops the logsumexp, bf16 loops rows.
-_SITES = {"fp32": lp_and_entropy([("logprob",)], _ENT, lse_loop_rows=B),
-          "bf16": lp_and_entropy(one_or_each("logprob", B), _ENT)}
+_SITES = lp_and_entropy([("logprob",)], _ENT)
 
 
 def _drop(inputs_fn, *names):

@@ -133,7 +133,7 @@ CASES = [
     Case("torchtune_grpo_batched_logprobs", "torchtune",
          "torchtune/rlhf/sequence_processing.py:batched_logits_to_logprobs (torch.empty_like buffer, "
          "chunk_size=1); recipes/dev/grpo_full_finetune_distributed.py:grpo_step; torchtune/dev/grpo/loss.py:GRPOLoss",
-         grpo_step, grpo_inputs, choices(one_or_each("logprob", B)), temperature="/ 0.7"),
+         grpo_step, grpo_inputs, (("logprob",),), temperature="/ 0.7"),
     Case("torchtune_ppo_value_head", "torchtune",
          "torchtune/rlhf/sequence_processing.py:logits_to_logprobs, truncate_sequence_for_logprobs; "
          "recipes/ppo_full_finetune_single_device.py:ppo_step; torchtune/rlhf/loss/ppo.py:PPOLoss",

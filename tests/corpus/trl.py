@@ -179,13 +179,6 @@ def ppo_inputs(dtype):
             "mb_return": randn((B2, R), g)}
 
 
-def _selective_with_entropy(rows: int, entropy) -> dict:
-    """selective_log_softmax over `rows` leading rows next to an entropy: fp32 gathers once and
-    loops the logsumexp; bf16 loops whole rows (one site, or one per row)."""
-    return {"fp32": lp_and_entropy([("logprob",)], entropy, lse_loop_rows=rows),
-            "bf16": lp_and_entropy(one_or_each("logprob", rows), entropy)}
-
-
 _GRPO_ENT = one_or_each("entropy", n_chunks(B * C, ENT_CHUNK))
 
 CASES = [
@@ -194,18 +187,18 @@ CASES = [
          "trl/trainer/grpo_trainer.py:_get_per_token_logps_and_entropies (div_, entropies under no_grad), "
          "get_high_entropy_mask, _compute_loss (grpo, beta k3)",
          grpo_entropy_mask, grpo_inputs(31),
-         _selective_with_entropy(B, _GRPO_ENT),
+         lp_and_entropy([("logprob",)], _GRPO_ENT),
          no_grad_kinds=("entropy",), temperature="/ 0.7"),
     Case("trl_dapo_sequence_is_entropy_bonus", "trl",
          "trl/trainer/grpo_trainer.py:_compute_loss (dapo, importance_sampling_level='sequence', delta, "
          "entropy bonus); trl/trainer/utils.py:selective_log_softmax, entropy_from_logits",
          dapo_sequence_is_entropy_bonus, grpo_inputs(32, gspo=True),
-         _selective_with_entropy(B, _GRPO_ENT),
+         lp_and_entropy([("logprob",)], _GRPO_ENT),
          grad_kinds=("logprob", "entropy"), temperature="/ 0.7"),
     Case("trl_ppo_value_no_grad_entropy", "trl",
          "trl/experimental/ppo/ppo_trainer.py:PPOTrainer.train (logits /= T + 1e-7, INVALID_LOGPROB, "
          "clipped value loss, entropy statistic under no_grad); trl/trainer/utils.py:selective_log_softmax",
          ppo_step, ppo_inputs,
-         _selective_with_entropy(B2, [("entropy",)]),
+         lp_and_entropy([("logprob",)], [("entropy",)]),
          no_grad_kinds=("entropy",), temperature="/ 0.7"),
 ]

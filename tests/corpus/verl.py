@@ -263,27 +263,20 @@ def gspo_k3plus_inputs(dtype):
             "advantages": randn((B4, S4), g), "mask": response_mask(B4, S4, g)}
 
 
-def _v2_with_entropy(rows: int, entropy) -> dict:
-    """logprobs_from_logits_v2 over `rows` leading rows next to an entropy: fp32 gathers once and
-    loops the logsumexp; bf16 loops whole rows (one site, or one per row)."""
-    return {"fp32": lp_and_entropy([("logprob",)], entropy, lse_loop_rows=rows),
-            "bf16": lp_and_entropy(one_or_each("logprob", rows), entropy)}
-
-
 CASES = [
     Case("verl_padded_actor_ppo", "verl",
          "verl/workers/actor/dp_actor.py:_forward_micro_batch (padded, logits.div_) + update_policy; "
          "verl/utils/torch_functional.py:logprobs_from_logits_v2, entropy_from_logits; "
          "verl/trainer/ppo/core_algos.py:compute_policy_loss_vanilla (dual clip), kl_penalty(low_var_kl)",
          padded_actor_ppo, padded_actor_inputs,
-         _v2_with_entropy(B1, [("entropy",)]),
+         lp_and_entropy([("logprob",)], [("entropy",)]),
          no_grad_kinds=("entropy",), temperature="/ 0.7"),
     Case("verl_rmpad_chunked_entropy", "verl",
          "verl/workers/actor/dp_actor.py:_forward_micro_batch (use_remove_padding, logits_rmpad.div_); "
          "verl/utils/torch_functional.py:logprobs_from_logits_v2, entropy_from_logits_with_chunking; "
          "core_algos.agg_loss(seq-mean-token-sum)",
          rmpad_actor, rmpad_actor_inputs,
-         _v2_with_entropy(T2, one_or_each("entropy", n_chunks(T2, ENT_CHUNK2))),
+         lp_and_entropy([("logprob",)], one_or_each("entropy", n_chunks(T2, ENT_CHUNK2))),
          grad_kinds=("logprob", "entropy"), temperature="/ 0.7"),
     Case("verl_entropy_checkpointing", "verl",
          "verl/workers/actor/dp_actor.py:_forward_micro_batch (entropy_checkpointing: "

@@ -97,6 +97,39 @@ def test_loops_over_an_lm_heads_rows_fold_with_the_product():  # SkyRL bf16: bot
     assert count(gm, aten.slice_scatter.default, aten.stack.default, aten.select.int) == 0
 
 
+def test_a_buffer_loop_after_an_in_place_temperature_folds():  # OpenRLHF log_probs_from_logits, fp32
+    """After `logits.div_(t)` functionalization re-derives `logits.reshape(-1, V)` for each
+    iteration: copies of one view are one `x`, so the buffer's loop folds, and the gather and
+    the log-sum-exp read the same logits."""
+    def fn(hidden, weight, labels):
+        logits = hidden @ weight.T
+        logits.div_(0.7)
+        picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+        flat = logits.reshape(-1, logits.shape[-1])
+        lse = torch.zeros(flat.shape[0])
+        for s in range(0, flat.shape[0], 4):
+            lse[s:s + 4] = torch.logsumexp(flat[s:s + 4], dim=-1)
+        return (picked - lse.view(labels.shape),)
+
+    gm = folded(fn, torch.randn(2, 6, 4), torch.randn(11, 4), torch.randint(0, 11, (2, 6)))
+    assert count(gm, aten.logsumexp.default) == 1 and count(gm, aten.matmul.default) == 1
+    assert count(gm, aten.slice_scatter.default, aten.cat.default, aten.slice.Tensor) == 0
+
+
+def test_a_per_row_loop_over_packed_logits_folds_with_the_product():  # verl rmpad, bf16
+    """`for row, label in zip(hidden @ W.T, labels)` over packed `[T, V]` logits: each iteration
+    multiplies one hidden row, a vector, by the weight; the fold makes it one product."""
+    def fn(hidden, weight, labels):
+        logits = hidden @ weight.T
+        logits.div_(0.7)
+        return (torch.stack([F.log_softmax(row, -1).gather(-1, lb.unsqueeze(-1)).squeeze(-1)
+                             for row, lb in zip(logits, labels)]),)
+
+    gm = folded(fn, torch.randn(5, 4), torch.randn(11, 4), torch.randint(0, 11, (5,)))
+    assert count(gm, aten.log_softmax.int) == 1 and count(gm, aten.matmul.default) == 1
+    assert count(gm, aten.stack.default, aten.select.int) == 0
+
+
 def test_a_product_with_a_weight_that_varies_by_iteration_stays():
     def fn(hidden, weights):
         return (torch.stack([F.log_softmax(h @ w.T, -1) for h, w in zip(hidden, weights)]),)
