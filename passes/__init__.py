@@ -19,6 +19,7 @@ PASS_NAMES = (
     "index_rows_as_gather_pass",  # x[arange(T), t] -> gather(x, -1, t): the regions read gathers
     "fold_row_loops_pass",  # stack/cat/buffer of f(x[i]) over a loop's rows -> f(x): one region
     "expose_row_reductions_pass",  # reduced losses, kl_div, full sums -> a sum over the vocabulary, then rows
+    "read_sliced_rows_whole_pass",  # a target's log-prob over a row slice of all-rows log-probs -> over all rows
     "tag_grad_flow_pass",  # node.meta: can a gradient from the outputs reach this node?
     "chunk_rowwise_regions_pass",  # each row-local region -> one graphpass::rowwise_chunked op
     "localize_cp_reductions_pass",  # CP: reductions of unshard(y) -> local reductions + one sum over ranks

@@ -365,7 +365,7 @@ def test_disabling_the_rewrite_pass_runs_the_graph_unchanged():
     assert backend.records[0].sites == []
     assert backend.records[0].passes_run == ["sink_row_slices_pass", "replace_hand_written_functions_pass",
                                              "replace_vocab_parallel_functions_pass", "index_rows_as_gather_pass",
-                                             "fold_row_loops_pass", "expose_row_reductions_pass",
+                                             "fold_row_loops_pass", "expose_row_reductions_pass", "read_sliced_rows_whole_pass",
                                              "tag_grad_flow_pass", "localize_cp_reductions_pass"]
 
 

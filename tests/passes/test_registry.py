@@ -21,7 +21,7 @@ def test_registry_is_numbered_in_order():
     assert [p.number for p in entries] == list(range(1, len(entries) + 1))
     assert passes.PASS_NAMES == ("sink_row_slices_pass", "replace_hand_written_functions_pass",
                                  "replace_vocab_parallel_functions_pass", "index_rows_as_gather_pass", "fold_row_loops_pass",
-                                 "expose_row_reductions_pass", "tag_grad_flow_pass", "chunk_rowwise_regions_pass",
+                                 "expose_row_reductions_pass", "read_sliced_rows_whole_pass", "tag_grad_flow_pass", "chunk_rowwise_regions_pass",
                                  "localize_cp_reductions_pass")
 
 
