@@ -435,7 +435,28 @@ def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParalle
     wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
     if len(wide) != 1 or any(recognize.packet(n) is _COLLECTIVES.all_reduce for n in gm.graph.nodes):
         return None
-    return _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
+    match = _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
+    if isinstance(match, str) and _tests_target_ownership(gm, fake_value(wide[0]).shape[-1]):
+        return SKIPPED_COLLECTIVES
+    return match
+
+
+#: Why a vocab-parallel Function run without a process group (its all-reduces skipped, as slime's
+#: `_maybe_all_reduce` skips them) is kept: read as one device's code, the target's logit it zeroes
+#: where the target lies outside [0, V) is not a gather.
+SKIPPED_COLLECTIVES = ("its forward zeroes the target's logit where the target lies outside this rank's columns: "
+                       "a vocab-parallel Function run without a process group; initialise torch.distributed "
+                       "(a group of one rank) so that its all-reduces run, and graphpass reads it as the "
+                       "vocab-parallel op")
+
+
+def _tests_target_ownership(gm, width) -> bool:
+    """Whether `gm` tests token ids against the columns [0, width): `(t < 0) | (t >= width)`."""
+    for node in gm.graph.nodes:
+        found = recognize.range_test(node, outside=True)
+        if found is not None and _constant(gm, found[1]) == 0 and _constant(gm, found[2]) == width:
+            return True
+    return False
 
 
 def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch | str:

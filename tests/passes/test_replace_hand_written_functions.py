@@ -542,6 +542,42 @@ def test_a_log_normaliser_that_is_no_log_prob_is_kept_with_its_reason():
     assert _err(x.grad, torch.softmax(x.detach(), -1) * torch.arange(T)[:, None]) <= 1e-12
 
 
+class _VocabParallelWithoutGroup(torch.autograd.Function):
+    """slime's `_VocabParallelLogProbEntropy` run without a process group (restated from
+    slime/utils/ppo_utils.py: its `_maybe_all_reduce` skips every all-reduce, its rank is 0): the
+    target's logit read at `target - 0` and zeroed where the target lies outside [0, V)."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        first, width = 0, logits.shape[-1]
+        foreign = (target < first) | (target >= first + width)
+        local = (target - first).clone()
+        local[foreign] = 0
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        picked = shifted[torch.arange(logits.shape[0]), local].masked_fill_(foreign, 0.0).unsqueeze(-1)
+        sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
+        ctx.save_for_backward(shifted.exp() / sum_exp, foreign, local)
+        return picked - sum_exp.log()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, foreign, local = ctx.saved_tensors
+        g = -softmax
+        g[torch.arange(g.shape[0]), local] += (~foreign).to(g.dtype)
+        return g * grad, None
+
+
+def test_a_vocab_parallel_function_run_without_a_group_is_kept_with_what_to_do():
+    x = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, V, (T,))
+    target[0] = -100  # outside the columns: eager's log-prob is -lse, a gather would fail
+    value, record = _compile(lambda logits, t: _VocabParallelWithoutGroup.apply(logits, t).sum(), x, target)
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    assert record.sites == [] and len(reasons) == 1 and "run without a process group" in reasons[0] and \
+        "initialise torch.distributed" in reasons[0], (record.sites, record.rejected)
+    assert _err(value, _VocabParallelWithoutGroup.apply(x.detach(), target).sum()) <= 1e-12
+
+
 # ---- Functions that multiply by the output layer themselves ---------------------------------------
 class _HeadChunked(torch.autograd.Function):
     """TRL's / prime-rl's / NeMo-RL's shape: per chunk of rows, `z = hidden @ W.T / t`, its
