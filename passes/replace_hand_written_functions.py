@@ -36,7 +36,7 @@ from graphpass.analysis.output_layer_function import (cut_at_logits, emit_produc
                                                        issues_collectives, output_layer_inside, read_transposes,
                                                        transposed_inputs)
 from graphpass.analysis.regions import source_of
-from graphpass.analysis.vocab_parallel import SKIPPED_COLLECTIVES, match_single_device
+from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.fx_utils import target_name, transitive_inputs
 from graphpass.records import REPLACED_FUNCTION, Rejection
@@ -99,8 +99,6 @@ def _match(hop, stub):
 
     match = read_folded(captured.gm, vals, lambda gm: match_single_device(gm, outputs()),
                         lambda m: m is not None and not isinstance(m, str))
-    if match == SKIPPED_COLLECTIVES:
-        return match
     if match is None or isinstance(match, str):
         product = output_layer_inside(captured.gm)
         if product is None:

@@ -6,7 +6,9 @@ row statistics over the tensor-parallel group and whose backward is written by h
 forward computes exactly log-probs and/or entropies of its vocabulary slice
 (`graphpass.analysis.vocab_parallel`), the Function, forward and backward together, becomes one
 `graphpass::vocab_parallel_logprob_entropy` call: one collective per call instead of one per
-statistic, O(rows) saved instead of the softmax. The group is the one the forward names.
+statistic, O(rows) saved instead of the softmax. The group is the one the forward names; a
+Function run without a process group (its all-reduces skipped, its targets still tested against
+its columns) becomes the op of one rank, which issues no collective.
 
 Also moved into the op, where exact: an fp32 upcast of bf16/fp16 logits (the op upcasts one chunk
 at a time) and a division of the logits by a constant temperature: of the compute-dtype logits
@@ -62,6 +64,7 @@ from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, 
 from graphpass.capture import CantCapture, capture, hop_of, written_inputs
 from graphpass.fx_utils import copy_graph_module
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
+from graphpass.ops.groups import rank_and_size
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
 from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord, site_kind
@@ -786,8 +789,7 @@ def _dead_after_replacing(graph, outputs) -> set:
 
 
 def _rank_and_size(group_name: str) -> tuple[int, int]:
-    group = _torch_api.resolve_process_group(group_name)
-    return group.rank(), group.size()
+    return rank_and_size(group_name)[1:]  # "": a forward run without a process group
 
 
 def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatch, config):

@@ -392,19 +392,37 @@ def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> Voc
     `outputs`: each must be a log-prob, an entropy (or a negation) or empty.
 
     `rank_and_size(group_name) -> (rank, size)` reads this process's place in a group (the forward
-    was traced on this rank: its first column is baked in as a constant). Returns the match, or the
-    reason (one line) it is not a vocab-parallel log-prob/entropy.
+    was traced on this rank: its first column is baked in as a constant). A forward without
+    all-reduces that tests its targets against the columns [0, V) is such a forward run without a
+    process group (slime's skips its all-reduces then): it is read as one rank's, group "".
+    Returns the match, or the reason (one line) it is not a vocab-parallel log-prob/entropy.
     """
     group = _group(gm)
+    wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
+    if group == NOT_PARALLEL and len(wide) == 1 and _tests_target_ownership(gm, fake_value(wide[0]).shape[-1]):
+        # Its all-reduces skipped (no process group): one rank holding every column.
+        return _match(_SingleRankEvaluator(gm, wide[0], 0, fake_value(wide[0]).shape[-1]), outputs, "",
+                      lambda name: (0, 1))
     if isinstance(group, str):
         return group
-    wide = [p for p in gm.graph.find_nodes(op="placeholder") if _is_wide(p)]
     if len(wide) != 1:
         return f"{len(wide)} floating-point inputs of 2 or more dims (expected the logits alone)"
     ev = _evaluator(gm, wide[0], group[0], rank_and_size)
     if ev is None:
         return "the vocabulary slice has a symbolic width"
     return _match(ev, outputs, group[0], rank_and_size)
+
+
+class _SingleRankEvaluator(_ShardEvaluator):
+    """`_ShardEvaluator` for a vocab-parallel forward run without a process group, its all-reduces
+    skipped: one rank owns every column, so its share of a sum is the sum, the same everywhere."""
+
+    def _eval(self, n):
+        form = super()._eval(n)
+        return form.form if isinstance(form, _Partial) else form
+
+    def replicated(self, form) -> bool:
+        return True
 
 
 class _OneDeviceEvaluator(BlockEvaluator):
@@ -437,17 +455,8 @@ def match_single_device(gm: torch.fx.GraphModule, outputs: list) -> VocabParalle
         return None
     match = _match(_OneDeviceEvaluator(gm, wide[0]), outputs, "", lambda name: (0, 1))
     if isinstance(match, str) and _tests_target_ownership(gm, fake_value(wide[0]).shape[-1]):
-        return SKIPPED_COLLECTIVES
+        return None  # a vocab-parallel forward without its all-reduces: `match_forward` reads it
     return match
-
-
-#: Why a vocab-parallel Function run without a process group (its all-reduces skipped, as slime's
-#: `_maybe_all_reduce` skips them) is kept: read as one device's code, the target's logit it zeroes
-#: where the target lies outside [0, V) is not a gather.
-SKIPPED_COLLECTIVES = ("its forward zeroes the target's logit where the target lies outside this rank's columns: "
-                       "a vocab-parallel Function run without a process group; initialise torch.distributed "
-                       "(a group of one rank) so that its all-reduces run, and graphpass reads it as the "
-                       "vocab-parallel op")
 
 
 def _tests_target_ownership(gm, width) -> bool:

@@ -567,15 +567,21 @@ class _VocabParallelWithoutGroup(torch.autograd.Function):
         return g * grad, None
 
 
-def test_a_vocab_parallel_function_run_without_a_group_is_kept_with_what_to_do():
+def test_a_vocab_parallel_function_run_without_a_group_is_the_vocab_parallel_op_of_one_rank():
+    """Read as one device's code its target's logit, zeroed outside [0, V), is no gather; read as
+    a vocab-parallel forward of one rank it is the log-prob, and the op checks the targets."""
     x = torch.randn(T, V, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, V, (T,))
-    target[0] = -100  # outside the columns: eager's log-prob is -lse, a gather would fail
     value, record = _compile(lambda logits, t: _VocabParallelWithoutGroup.apply(logits, t).sum(), x, target)
-    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
-    assert record.sites == [] and len(reasons) == 1 and "run without a process group" in reasons[0] and \
-        "initialise torch.distributed" in reasons[0], (record.sites, record.rejected)
-    assert _err(value, _VocabParallelWithoutGroup.apply(x.detach(), target).sum()) <= 1e-12
+    value.backward()
+    assert [(s.kind, s.tp_size, s.collectives) for s in record.sites] == [("logprob", 1, [])], record.rejected
+    eager = x.detach().clone().requires_grad_()
+    want = _VocabParallelWithoutGroup.apply(eager, target).sum()
+    want.backward()
+    assert _err(value, want) <= 1e-12 and _err(x.grad, eager.grad) <= 1e-12
+    target[0] = -100  # outside the columns: eager's log-prob is meaningless there, the op says so
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        _compile(lambda logits, t: _VocabParallelWithoutGroup.apply(logits, t).sum(), x, target)
 
 
 # ---- Functions that multiply by the output layer themselves ---------------------------------------
