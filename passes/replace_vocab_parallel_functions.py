@@ -456,7 +456,7 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     with graph.inserting_before(op):
         hidden = head.hidden
-        if any(n.op == "call_function" and n.target in _RESHAPES for n in head.nodes):
+        if any(n.op == "call_function" and n.target in _ROW_RESHAPES for n in head.nodes):
             # The logits' reshape, on the hidden states: the same rows in the same order.
             lead = list(logits.meta["val"].shape[:-1])
             hidden = _torch_api.fake_node(graph, fake_mode, aten.reshape.default, (hidden, [*lead, head.hidden_size]),
@@ -474,6 +474,9 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
 
 
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+#: Reshapes of the logits that, keeping their last dim, keep their rows in order: the same reshape
+#: of the hidden states gives the same rows (slime hands megatron-core's fused loss `logits[:, None]`).
+_ROW_RESHAPES = _RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 _WITH_GRADIENTS = torch.ops.graphpass.vocab_parallel_lm_head_with_gradients.default
 
 
@@ -548,12 +551,13 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
 def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     """`match_matmul(logits)`, or `hidden @ W.T + b` written as an addition of a `[V/tp]` bias to
     an unbiased matmul that nothing else reads, or a reshape that keeps the last dim of either
-    (`[B, S, V/tp]` to `[B * S, V/tp]`: the same rows in the same order, as for the hidden states).
+    (`[B, S, V/tp]` to `[B * S, V/tp]`, `[T, V/tp]` to `[T, 1, V/tp]`: the same rows in the same order, as
+    for the hidden states).
     `head.logits` is `logits`; `head.nodes` every node the op replaces, with their metadata checks."""
     head, why = match_matmul(logits)
     if head is not None or why is not None:
         return head, why
-    if logits.op == "call_function" and logits.target in _RESHAPES and isinstance(logits.args[0], torch.fx.Node):
+    if logits.op == "call_function" and logits.target in _ROW_RESHAPES and isinstance(logits.args[0], torch.fx.Node):
         source = logits.args[0]
         val, src_val = logits.meta.get("val"), source.meta.get("val")
         if not (isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor) and val.ndim >= 2
