@@ -59,7 +59,7 @@ from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, match_token_loss,
                                                 values_without_gradient)
-from graphpass.capture import CantCapture, capture, hop_of, written_inputs
+from graphpass.capture import CantCapture, capture, hop_of, later_reader, written_inputs
 from graphpass.fx_utils import copy_graph_module
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.vocab_parallel import collective_bytes
@@ -131,44 +131,10 @@ def _lost_write(graph: torch.fx.Graph, stub: torch.fx.Node, hop) -> str | None:
     by the Function alone (as callers hand it) the write is invisible. A graph input it overwrites
     and nothing in the graph reads again is not reported: graphpass leaves the caller's tensor as
     it was (`bench.tp` records `input_overwritten` for eager)."""
-    written = written_inputs(hop.bodies[0])
-    tensors = stub.args[1]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for position in (range(len(tensors)) if written is None else sorted(written)):
-        if position >= len(tensors):
-            continue
-        aliases = _aliases(tensors[position])
-        for alias in aliases:
-            for user in alias.users:
-                if user not in aliases and user is not stub and order[user] > order[stub]:
-                    what = "the graph's output" if user.op == "output" else f"{user.name} ({source_of(user)})"
-                    return (f"its forward writes into its input {tensors[position].name}, which {what} reads "
-                            "after it (replacing it would lose the write); hand it a clone")
-    return None
-
-
-def _may_alias(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
-        getattr(node.target, "is_view", False) or node.target in _MAY_ALIAS_OPS)
-
-
-_MAY_ALIAS_OPS = {aten.reshape.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-                  aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.view_as.default,
-                  aten.reshape_as.default, aten.flatten.using_ints, aten.type_as.default}
-
-
-def _aliases(node: torch.fx.Node) -> set:
-    """Every node that may share `node`'s memory: its bases through views, and their views."""
-    base = node
-    while _may_alias(base):
-        base = base.args[0]
-    out, todo = set(), [base]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(u for u in n.users if _may_alias(u) and u.args[0] is n)
-    return out
+    reader = later_reader(graph, stub, list(stub.args[1]), written_inputs(hop.bodies[0]))
+    if reader is None:
+        return None
+    return f"its forward writes into {reader} after it (replacing it would lose the write); hand it a clone"
 
 
 _OP = torch.ops.graphpass.vocab_parallel_logprob_entropy.default

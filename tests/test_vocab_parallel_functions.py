@@ -8,7 +8,9 @@ and logits gradients against eager and against one device in float64, the site r
 collectives each rank issued (one all-gather per Function call, none in backward, the same on
 every rank; at TP=1, a group of one, none). Functions that get the math wrong in one place (a
 rank-local shift, a wrong first column, a local entropy, an unmasked target) must stay as they are,
-with the reason recorded. (One-device Functions, no collective at all: tests/test_hand_written_functions.py.)
+with the reason recorded. megatron-core's label-smoothed loss (each rank's differs: it averages the
+log-probs over its own slice) stays as it is, beside a fused one that is replaced: the Function
+writes into its input, and goes back on a clone of it without sinking the graph. (One-device Functions, no collective at all: tests/test_hand_written_functions.py.)
 
 One spawn per group size runs every case (`_spawned`): each spawn costs seconds.
 """
@@ -387,3 +389,81 @@ def test_ranks_differing_in_grad_mode_and_ownership_issue_the_same_collectives(c
     assert all(log == logs[0] for log in logs) and len(logs[0]) == 1, logs
     for log, err, sites in per_rank:
         assert err < 1e-5 and sites == [4], (err, sites)
+
+
+# ---- a Function kept beside one replaced -------------------------------------------------------------
+SMOOTHING = 0.1
+
+
+def _fused_and_smoothed(logits, target, old, adv):
+    """PPO on megatron-core's fused log-probs, plus its label-smoothed cross-entropy of the same
+    bf16 logits (an fp32 copy, which it writes into)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logprob = megatron_fused_logprob(logits, target)
+    smoothed = vocab_parallel_cross_entropy(logits.float(), target, SMOOTHING)
+    return ppo_loss(logprob.reshape(-1), old, adv, None) + 0.1 * smoothed.mean()
+
+
+def _smoothed_reference(full, target, old, adv, rank, width):
+    """This rank's loss and its slice's gradient in float64: the smoothed loss averages the
+    log-probs over the rank's own slice of `width` columns, with s = smoothing * width / (width - 1)."""
+    full = full.clone().requires_grad_()
+    logp = full.log_softmax(-1)
+    s = SMOOTHING * width / (width - 1)
+    nll = -logp.gather(1, target[:, None])[:, 0]
+    smoothed = (1 - s) * nll - s * logp[:, rank * width:(rank + 1) * width].mean(-1)
+    loss = ppo_loss(-nll, old, adv, None) + 0.1 * smoothed.mean()
+    loss.backward()
+    return loss.detach(), full.grad[:, rank * width:(rank + 1) * width]
+
+
+def _kept_beside_replaced(rank, world):
+    from megatron.core import parallel_state
+
+    results = {}
+    for tp in (1, world):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            width = WIDTH[tp]
+            g = torch.Generator().manual_seed(5)
+            full = torch.randn(T, tp * width, generator=g, dtype=torch.float64) * 2
+            target = torch.randint(0, tp * width, (T,), generator=g)
+            old, adv = torch.randn(T, generator=g, dtype=torch.float64) - 3, torch.randn(T, generator=g,
+                                                                                          dtype=torch.float64)
+            r = rank % tp
+            local = full[:, r * width:(r + 1) * width].to(torch.bfloat16)
+            eager_logits = local.clone().requires_grad_()
+            eager = _fused_and_smoothed(eager_logits, target, old.float(), adv.float())
+            eager.backward()
+            torch._dynamo.reset()
+            backend = graphpass.Backend(inner="aot_eager")
+            logits = local.clone().requires_grad_()
+            with collectives() as log:
+                value = torch.compile(_fused_and_smoothed, backend=backend)(logits, target, old.float(), adv.float())
+                value.backward()
+            ref, ref_grad = _smoothed_reference(full, target, old, adv, r, width)
+            record = backend.records[0]
+            results[tp] = dict(value_vs_eager=_err(value, eager), grad_vs_eager=_err(logits.grad, eager_logits.grad),
+                               value_vs_ref=_err(value, ref), eager_vs_ref=_err(eager, ref),
+                               grad_vs_ref=_err(logits.grad, ref_grad), eager_grad_vs_ref=_err(eager_logits.grad, ref_grad),
+                               sites=[(s.kind, s.tp_size) for s in record.sites], fallback=record.fallback_reason,
+                               rejected=[c.reason for c in record.rejected], log=log)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_a_kept_label_smoothed_function_leaves_the_fused_one_replaced():
+    pytest.importorskip("megatron.core")
+    per_rank = run_ranks(_kept_beside_replaced, 2, timeout_s=300)
+    for tp in (1, 2):
+        for rank, results in enumerate(per_rank):
+            r = results[tp]
+            where = (tp, rank, r)
+            assert r["fallback"] is None and r["sites"] == [("-logprob", tp)], where
+            assert any("label smoothing" in why and "vocab_parallel_logprob_entropy" in why for why in r["rejected"]), \
+                where
+            assert r["value_vs_ref"] <= 2 * r["eager_vs_ref"] + 1e-6, where
+            assert r["grad_vs_ref"] <= 2 * r["eager_grad_vs_ref"] + 1e-2, where
+            assert r["log"] == per_rank[0][tp]["log"], where

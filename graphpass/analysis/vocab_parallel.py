@@ -497,6 +497,12 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     label: OutputLabel = recognize.classify(form)
     if label.kind == recognize.ROWWISE:
         split = "" if isinstance(ev, _OneDeviceEvaluator) else "vocabulary-split "
+        local = [] if isinstance(ev, _OneDeviceEvaluator) else _slice_reductions(form)
+        if local:
+            return (f"output {node.name} is not a log-prob or an entropy of the {split}logits: it reads "
+                    f"{local[0].name} ({local[0].target}), a reduction over this rank's vocabulary slice alone, "
+                    "different on each rank (megatron-core's label smoothing: the slice's mean log-prob); reading "
+                    "it needs that per-row slice statistic in graphpass::vocab_parallel_logprob_entropy")
         return f"output {node.name} is not a log-prob or an entropy of the {split}logits"
     atoms = [a for a in form if a[0] in ("lse", "gather")]
     temperature = _temperature(atoms[0][1], ev.logits)
@@ -504,6 +510,22 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
         return f"output {node.name}: the logits are scaled or masked by more than a constant temperature"
     targets = [a[2] for a in form if a[0] == "gather"]
     return label.kind, temperature, targets[0] if targets else None
+
+
+def _slice_reductions(form) -> list:
+    """The sums and means over the vocabulary slice (of one rank) that `form` reads as unknown
+    values, not all-reduced: each rank's differs."""
+    if not isinstance(form, dict):
+        return []
+    found = []
+    for atom in form:
+        key = atom[1] if atom[0] in ("x", "c") else None
+        while isinstance(key, tuple) and key[:1] == ("scale",):
+            key = key[1]
+        if recognize.packet(key) in (aten.sum, aten.mean) and \
+                recognize.is_vocab_dim(key.args[0], recognize.arg_of(key, 1, "dim")):
+            found.append(key)
+    return found
 
 
 def _group(gm) -> tuple[str, list] | str:
