@@ -13,8 +13,12 @@ normal forms of `recognize`, with the vocabulary split across the ranks:
 * the target's logit is read where this rank owns the target:
   `x[rows, index_put(t - s, [(t < s) | (t >= e)], 0)]` with the rows not owned then zeroed is
   `Partial(gather(t))`, when `s` is this rank's first column and `e - s` the slice width;
-* every other reduction over the vocabulary (a local softmax, log-sum-exp, gather, max) is not
-  understood: a max only ever serves as a row constant, which cancels.
+* several shares concatenated (`cat`, `stack`), all-reduced in one SUM and cut back at the
+  parts' boundaries (`split`, `chunk`, `unbind`, `slice`, `narrow`, `select`; megatron-core's
+  fused loss) are each part's sum (`_Concat`);
+* every other reduction over the vocabulary (a local softmax, log-sum-exp, gather, max, a mean
+  over the slice alone) is not understood: a max only ever serves as a row constant, which
+  cancels; a slice's own sum or mean (megatron-core's label smoothing) is named in the reason.
 
 A forward matches when each output is exactly a log-prob or an entropy of the logits input (or
 its negation), scaled by at most a constant temperature, or an empty tensor. Anything else is
