@@ -12,7 +12,12 @@ live in subgraphs (a user `autograd.Function` with its own backward, a checkpoin
    `exp` instead of `exp_`), keeping grad-mode changes as `_set_grad_enabled` nodes and each
    node's stack trace. Functional `copy` (from `copy_`) becomes differentiable ops.
 4. After the passes, `Captured.restore` puts the higher-order ops back in place of their stubs
-   and re-applies the mutations of graph inputs as `copy_` at the end.
+   and re-applies the mutations of graph inputs as `copy_` at the end. An autograd.Function whose
+   forward writes into its inputs (megatron-core's cross-entropy uses its logits as scratch) and
+   that no pass replaced gets a clone of each input it writes, where nothing after it reads that
+   input: the graph was made functional on the premise that it writes nothing, and on a clone
+   that premise holds. (Eager code would see the caller's tensor overwritten; graphpass leaves it
+   as it was, as it does where a pass replaces such a Function.)
 
 What capture cannot model raises `CantCapture`: the graph then runs unchanged, reason recorded.
 """
@@ -45,7 +50,7 @@ class _Hop:
     args: tuple  # the HOP's args; tensor arguments replaced by their position among `tensors`
     kwargs: dict
     submodules: dict  # get_attr name -> module, for subgraph arguments
-    mutates_inputs: str | None = None  # why the op cannot be put back (a pass may still replace it)
+    mutates_inputs: str | None = None  # that its forward writes into its inputs (it goes back on clones)
     unread: str | None = None  # why no pass may read its bodies (their outputs could not be told)
 
     @property
@@ -67,14 +72,15 @@ class Captured:
         """`gm` (this capture after the passes) with its stubs back as higher-order ops and the
         inputs' mutations applied in place.
 
-        A stub whose op writes into its inputs cannot go back into a graph that runs (raises
-        CantCapture), but can into one that is only analysed (`for_analysis`: the memory model)."""
+        A stub whose op writes into its inputs goes back reading clones of those it writes
+        (`_clones_of_written`; raises CantCapture where the graph reads such an input after it),
+        but as it is into a graph that is only analysed (`for_analysis`: the memory model)."""
         graph = gm.graph
         for node in list(graph.find_nodes(op="call_function", target=_opaque_op())):
             hop = self.hops[node.args[0]]
-            if hop.mutates_inputs and not for_analysis:
-                raise CantCapture(hop.mutates_inputs)
             tensors = node.args[1]
+            if hop.mutates_inputs and not for_analysis:
+                tensors = _clones_of_written(graph, node, hop)
             with graph.inserting_before(node):
                 args = []
                 for a in hop.args:
@@ -95,6 +101,68 @@ class Captured:
         graph.lint()
         gm.recompile()
         return gm
+
+
+def _clones_of_written(graph: torch.fx.Graph, stub: torch.fx.Node, hop: _Hop) -> list:
+    """The stub's tensors, each that its op's forward writes into replaced by a clone made just
+    before it; raises CantCapture where the graph reads such a tensor (or an alias of it) after
+    the stub: it would read the written value in eager, the value before the write here."""
+    tensors = list(stub.args[1])
+    written = written_inputs(hop.bodies[0])
+    reader = later_reader(graph, stub, tensors, written)
+    if reader is not None:
+        raise CantCapture(f"{hop.mutates_inputs}: {reader} after it")
+    fake_mode = _torch_api.detect_fake_mode([t.meta["val"] for t in tensors if "val" in t.meta])
+    for position in (range(len(tensors)) if written is None else sorted(written)):
+        if position < len(tensors):
+            with graph.inserting_before(stub):
+                tensors[position] = _torch_api.fake_node(graph, fake_mode, aten.clone.default, (tensors[position],),
+                                                         {}, like=tensors[position])
+    return tensors
+
+
+def later_reader(graph: torch.fx.Graph, stub: torch.fx.Node, tensors: list, written: set | None) -> str | None:
+    """What reads, after `stub`, one of `tensors` at the positions `written` (None: every one) or an
+    alias of it: "its input X, which the graph's output reads" (or "which Y (where) reads"); None
+    when nothing does."""
+    from graphpass.analysis.regions import source_of
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for position in (range(len(tensors)) if written is None else sorted(written)):
+        if position >= len(tensors):
+            continue
+        aliases = aliases_of(tensors[position])
+        for alias in aliases:
+            for user in alias.users:
+                if user not in aliases and user is not stub and order[user] > order[stub]:
+                    what = "the graph's output" if user.op == "output" else f"{user.name} ({source_of(user)})"
+                    return f"its input {tensors[position].name}, which {what} reads"
+    return None
+
+
+def _may_alias_node(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
+        getattr(node.target, "is_view", False) or node.target in _MAY_ALIAS_OPS)
+
+
+_MAY_ALIAS_OPS = {aten.reshape.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+                  aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.view_as.default,
+                  aten.reshape_as.default, aten.flatten.using_ints, aten.type_as.default}
+
+
+def aliases_of(node: torch.fx.Node) -> set:
+    """Every node of an ATen graph that may share `node`'s memory: its bases through views, and
+    their views."""
+    base = node
+    while _may_alias_node(base):
+        base = base.args[0]
+    out, todo = set(), [base]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(u for u in n.users if _may_alias_node(u) and u.args[0] is n)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +194,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
         if hop.mutates_inputs and key not in kept:
             # Its results are unread (torch 2.11's Dynamo reads the written input instead), so the
             # export dropped the stub, and with it the op's write: the graph would run without it.
-            raise CantCapture(hop.mutates_inputs)
+            raise CantCapture(f"{hop.mutates_inputs}, and its results are unread (the written input is read)")
     user_inputs = list(signature.user_inputs)
     mutated = [user_inputs.index(signature.user_inputs_to_mutate[name])
                for name in list(signature.user_inputs_to_mutate)]
@@ -248,7 +316,7 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
 def _check_stubbable(gm, node) -> str | None:
     """Raise CantCapture if `node` cannot stand behind a stub. An autograd.Function whose forward
     writes into its inputs (Megatron's cross-entropy uses its logits as scratch) is stubbed with
-    the reason returned: a pass may replace it; if none does, `restore` raises."""
+    that returned: a pass may replace it; if none does, `restore` hands it clones."""
     name = getattr(node.target, "__name__", str(node.target))
     for a in node.args:
         if isinstance(a, torch.fx.Node) and a.op != "get_attr" and not isinstance(_example(a), torch.Tensor):
@@ -328,7 +396,7 @@ def written_inputs(body, sources=None) -> set[int] | None:
         name = _callee_name(node)
         args = [a for a in node.args if isinstance(a, torch.fx.Node)]
         inplace_operator = name in _INPLACE_OPERATORS or name.strip("_") in _INPLACE_OPERATORS
-        if (name in _MAY_ALIAS or inplace_operator) and args and args[0] in roots:
+        if (name in _MAY_ALIAS or inplace_operator) and args and args[0] in roots and not _new_by_cast(node, name):
             roots[node] = roots[args[0]] | roots.get(node, set())
         written = []
         if (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "__setitem__") or inplace_operator:
@@ -340,6 +408,20 @@ def written_inputs(body, sources=None) -> set[int] | None:
         if node.op == "get_attr" and _mutates_inputs(getattr(body, node.target, None)):
             return None
     return written_positions
+
+
+#: Casts that return their input itself when it has the dtype asked for, a new tensor otherwise.
+_CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16"}
+
+
+def _new_by_cast(node, name: str) -> bool:
+    """Whether `node` is a cast to another dtype than its input's (in the traced example values):
+    a new tensor (megatron-core's fused loss writes into `logits.float()` of bf16 logits, not into
+    them)."""
+    if name not in _CASTS:
+        return False
+    out, source = _example(node), _example(node.args[0])
+    return isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor) and out.dtype != source.dtype
 
 
 def _callee_name(node) -> str:

@@ -61,7 +61,7 @@ from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at
 from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                 match_graph, match_token_loss,
                                                 values_without_gradient)
-from graphpass.capture import CantCapture, capture, hop_of, written_inputs
+from graphpass.capture import CantCapture, capture, hop_of, later_reader, written_inputs
 from graphpass.fx_utils import copy_graph_module
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.ops.groups import rank_and_size
@@ -134,44 +134,10 @@ def _lost_write(graph: torch.fx.Graph, stub: torch.fx.Node, hop) -> str | None:
     by the Function alone (as callers hand it) the write is invisible. A graph input it overwrites
     and nothing in the graph reads again is not reported: graphpass leaves the caller's tensor as
     it was (`bench.tp` records `input_overwritten` for eager)."""
-    written = written_inputs(hop.bodies[0])
-    tensors = stub.args[1]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for position in (range(len(tensors)) if written is None else sorted(written)):
-        if position >= len(tensors):
-            continue
-        aliases = _aliases(tensors[position])
-        for alias in aliases:
-            for user in alias.users:
-                if user not in aliases and user is not stub and order[user] > order[stub]:
-                    what = "the graph's output" if user.op == "output" else f"{user.name} ({source_of(user)})"
-                    return (f"its forward writes into its input {tensors[position].name}, which {what} reads "
-                            "after it (replacing it would lose the write); hand it a clone")
-    return None
-
-
-def _may_alias(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
-        getattr(node.target, "is_view", False) or node.target in _MAY_ALIAS_OPS)
-
-
-_MAY_ALIAS_OPS = {aten.reshape.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-                  aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.view_as.default,
-                  aten.reshape_as.default, aten.flatten.using_ints, aten.type_as.default}
-
-
-def _aliases(node: torch.fx.Node) -> set:
-    """Every node that may share `node`'s memory: its bases through views, and their views."""
-    base = node
-    while _may_alias(base):
-        base = base.args[0]
-    out, todo = set(), [base]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(u for u in n.users if _may_alias(u) and u.args[0] is n)
-    return out
+    reader = later_reader(graph, stub, list(stub.args[1]), written_inputs(hop.bodies[0]))
+    if reader is None:
+        return None
+    return f"its forward writes into {reader} after it (replacing it would lose the write); hand it a clone"
 
 
 _OP = torch.ops.graphpass.vocab_parallel_logprob_entropy.default
@@ -459,7 +425,7 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
     fake_mode = _torch_api.detect_fake_mode([logits.meta["val"]])
     with graph.inserting_before(op):
         hidden = head.hidden
-        if any(n.op == "call_function" and n.target in _RESHAPES for n in head.nodes):
+        if any(n.op == "call_function" and n.target in _ROW_RESHAPES for n in head.nodes):
             # The logits' reshape, on the hidden states: the same rows in the same order.
             lead = list(logits.meta["val"].shape[:-1])
             hidden = _torch_api.fake_node(graph, fake_mode, aten.reshape.default, (hidden, [*lead, head.hidden_size]),
@@ -477,6 +443,9 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
 
 
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+#: Reshapes of the logits that, keeping their last dim, keep their rows in order: the same reshape
+#: of the hidden states gives the same rows (slime hands megatron-core's fused loss `logits[:, None]`).
+_ROW_RESHAPES = _RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 _WITH_GRADIENTS = torch.ops.graphpass.vocab_parallel_lm_head_with_gradients.default
 
 
@@ -551,12 +520,13 @@ def _take_loss_math(gm, example_inputs, op: torch.fx.Node, site: SiteRecord, con
 def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     """`match_matmul(logits)`, or `hidden @ W.T + b` written as an addition of a `[V/tp]` bias to
     an unbiased matmul that nothing else reads, or a reshape that keeps the last dim of either
-    (`[B, S, V/tp]` to `[B * S, V/tp]`: the same rows in the same order, as for the hidden states).
+    (`[B, S, V/tp]` to `[B * S, V/tp]`, `[T, V/tp]` to `[T, 1, V/tp]`: the same rows in the same order, as
+    for the hidden states).
     `head.logits` is `logits`; `head.nodes` every node the op replaces, with their metadata checks."""
     head, why = match_matmul(logits)
     if head is not None or why is not None:
         return head, why
-    if logits.op == "call_function" and logits.target in _RESHAPES and isinstance(logits.args[0], torch.fx.Node):
+    if logits.op == "call_function" and logits.target in _ROW_RESHAPES and isinstance(logits.args[0], torch.fx.Node):
         source = logits.args[0]
         val, src_val = logits.meta.get("val"), source.meta.get("val")
         if not (isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor) and val.ndim >= 2

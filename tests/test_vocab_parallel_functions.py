@@ -1,13 +1,16 @@
 """Unmodified vocab-parallel Functions compiled with graphpass on 1, 2 and 4 gloo ranks.
 
-megatron-core's `vocab_parallel_cross_entropy` and a slime-style `_VocabParallelLogProbEntropy`
+megatron-core's `vocab_parallel_cross_entropy`, its fused `fused_vocab_parallel_cross_entropy` (one
+all-reduce of two statistics concatenated) and a slime-style `_VocabParallelLogProbEntropy`
 (`bench.workloads.tp_losses`) feed a PPO loss; compiled with graphpass each becomes one
 `vocab_parallel_logprob_entropy` site with `tp_size` = the group size. Checked per case: values
 and logits gradients against eager and against one device in float64, the site records, and the
 collectives each rank issued (one all-gather per Function call, none in backward, the same on
 every rank; at TP=1, a group of one, none). Functions that get the math wrong in one place (a
 rank-local shift, a wrong first column, a local entropy, an unmasked target) must stay as they are,
-with the reason recorded. (One-device Functions, no collective at all: tests/test_hand_written_functions.py.)
+with the reason recorded. megatron-core's label-smoothed loss (each rank's differs: it averages the
+log-probs over its own slice) stays as it is, beside a fused one that is replaced: the Function
+writes into its input, and goes back on a clone of it without sinking the graph. (One-device Functions, no collective at all: tests/test_hand_written_functions.py.)
 
 One spawn per group size runs every case (`_spawned`): each spawn costs seconds.
 """
@@ -25,7 +28,7 @@ from graphpass import _torch_api
 from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
-from bench.workloads.tp_losses import megatron_logprob, ppo_loss, slime_style_logprob_entropy
+from bench.workloads.tp_losses import megatron_fused_logprob, megatron_logprob, ppo_loss, slime_style_logprob_entropy
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -151,6 +154,8 @@ def _funcol_logprob(logits, target, group, detached=False):
 def _logprob_entropy(code, logits, target, **kw):
     if code == "megatron":
         return megatron_logprob(logits, target, temperature=kw.get("temperature", 1.0)), None
+    if code == "megatron fused":
+        return megatron_fused_logprob(logits, target), None
     if code.startswith("funcol"):
         return _funcol_logprob(logits, target, dist.group.WORLD, detached=code == "funcol detached"), None
     if code.startswith("chunked"):
@@ -170,6 +175,8 @@ CASES = [
     ("megatron", {}, torch.float32),  # megatron-core computes in fp32 whatever the input dtype
     ("megatron", {"temperature": 0.7}, torch.float32),
     ("megatron", {"temperature": 0.7}, torch.bfloat16),
+    ("megatron fused", {}, torch.bfloat16),  # its backward returns a bf16 gradient
+    ("megatron fused", {}, torch.float32),
     ("slime", {}, torch.float64),
     ("slime", {"with_entropy": True}, torch.float64),
     ("slime", {"with_entropy": True}, torch.float32),
@@ -184,7 +191,7 @@ CASES = [
     ("funcol", {}, torch.float64),
     ("funcol detached", {}, torch.float64),
 ]
-FEWER_CASES = [CASES[0], CASES[4], CASES[7], ("chunked", {}, torch.float64)]  # at TP=4, and at TP=1 (a group of one)
+FEWER_CASES = [CASES[0], CASES[3], CASES[6], CASES[9], ("chunked", {}, torch.float64)]  # at TP=4, and at TP=1 (a group of one)
 
 
 def _case(rank, world, code, kw, dtype):
@@ -200,7 +207,7 @@ def _case(rank, world, code, kw, dtype):
 
     # Megatron's Function writes its softmax into its input: each run gets its own copy.
     eager_logits = local.clone().requires_grad_()
-    eager = fn(eager_logits.clone() if code == "megatron" else eager_logits, target, old, adv)
+    eager = fn(eager_logits.clone() if code.startswith("megatron") else eager_logits, target, old, adv)
     eager.backward()
 
     torch._dynamo.reset()
@@ -208,7 +215,7 @@ def _case(rank, world, code, kw, dtype):
     compiled = torch.compile(fn, backend=backend)
     logits = local.clone().requires_grad_()
     with collectives() as forward_log:
-        value = compiled(logits.clone() if code == "megatron" else logits, target, old, adv)
+        value = compiled(logits.clone() if code.startswith("megatron") else logits, target, old, adv)
     with collectives() as backward_log:
         value.backward()
 
@@ -244,12 +251,12 @@ def _have_megatron() -> bool:
 
 def _cases(world):
     """Every case for `world` ranks; megatron's only where it is installed (the `test` extra installs it)."""
-    return [c for c in (CASES if world == 2 else FEWER_CASES) if c[0] != "megatron" or _have_megatron()]
+    return [c for c in (CASES if world == 2 else FEWER_CASES) if not c[0].startswith("megatron") or _have_megatron()]
 
 
 def _with_megatron(rank, world):
     cases = _cases(world)
-    if not any(c[0] == "megatron" for c in cases):
+    if not any(c[0].startswith("megatron") for c in cases):
         return _all_cases(rank, world, cases)
     from megatron.core import parallel_state
 
@@ -288,15 +295,15 @@ def test_recognised_functions_become_one_site_with_eager_parity(world):
             assert len(r["sites"]) == calls, where
             kind, tp_size, group, colls, grads = r["sites"][0]
             assert tp_size == world and group, where
-            assert kind == ("-logprob" if code == "megatron" else "logprob" if code in ("none", "chunked") else
+            assert kind == ("-logprob" if code.startswith("megatron") else "logprob" if code in ("none", "chunked") else
                             "logprob+entropy" if kw.get("with_entropy") else "logprob"), where
             assert grads[-1] == kw.get("with_entropy_grad", True), where
             assert [c[:2] for c in colls] == ([("all_gather", world)] if world > 1 else []), where
             tol = TOLERANCE[dtype]
             assert r["value_vs_ref"] <= tol and r["grad_vs_ref"] <= tol, where
-            if dtype != torch.bfloat16:  # bf16: ours rounds once, eager per op; both near float64
+            if dtype != torch.bfloat16 and code != "megatron fused":
                 assert r["value_vs_eager"] <= tol and r["grad_vs_eager"] <= tol, where
-            else:
+            else:  # bf16 (ours rounds once, eager per op), or eager's gradient in bf16: both near float64
                 assert r["grad_vs_ref"] <= 2 * r["eager_grad_vs_ref"] + 1e-2, where
 
 
@@ -382,3 +389,81 @@ def test_ranks_differing_in_grad_mode_and_ownership_issue_the_same_collectives(c
     assert all(log == logs[0] for log in logs) and len(logs[0]) == 1, logs
     for log, err, sites in per_rank:
         assert err < 1e-5 and sites == [4], (err, sites)
+
+
+# ---- a Function kept beside one replaced -------------------------------------------------------------
+SMOOTHING = 0.1
+
+
+def _fused_and_smoothed(logits, target, old, adv):
+    """PPO on megatron-core's fused log-probs, plus its label-smoothed cross-entropy of the same
+    bf16 logits (an fp32 copy, which it writes into)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logprob = megatron_fused_logprob(logits, target)
+    smoothed = vocab_parallel_cross_entropy(logits.float(), target, SMOOTHING)
+    return ppo_loss(logprob.reshape(-1), old, adv, None) + 0.1 * smoothed.mean()
+
+
+def _smoothed_reference(full, target, old, adv, rank, width):
+    """This rank's loss and its slice's gradient in float64: the smoothed loss averages the
+    log-probs over the rank's own slice of `width` columns, with s = smoothing * width / (width - 1)."""
+    full = full.clone().requires_grad_()
+    logp = full.log_softmax(-1)
+    s = SMOOTHING * width / (width - 1)
+    nll = -logp.gather(1, target[:, None])[:, 0]
+    smoothed = (1 - s) * nll - s * logp[:, rank * width:(rank + 1) * width].mean(-1)
+    loss = ppo_loss(-nll, old, adv, None) + 0.1 * smoothed.mean()
+    loss.backward()
+    return loss.detach(), full.grad[:, rank * width:(rank + 1) * width]
+
+
+def _kept_beside_replaced(rank, world):
+    from megatron.core import parallel_state
+
+    results = {}
+    for tp in (1, world):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            width = WIDTH[tp]
+            g = torch.Generator().manual_seed(5)
+            full = torch.randn(T, tp * width, generator=g, dtype=torch.float64) * 2
+            target = torch.randint(0, tp * width, (T,), generator=g)
+            old, adv = torch.randn(T, generator=g, dtype=torch.float64) - 3, torch.randn(T, generator=g,
+                                                                                          dtype=torch.float64)
+            r = rank % tp
+            local = full[:, r * width:(r + 1) * width].to(torch.bfloat16)
+            eager_logits = local.clone().requires_grad_()
+            eager = _fused_and_smoothed(eager_logits, target, old.float(), adv.float())
+            eager.backward()
+            torch._dynamo.reset()
+            backend = graphpass.Backend(inner="aot_eager")
+            logits = local.clone().requires_grad_()
+            with collectives() as log:
+                value = torch.compile(_fused_and_smoothed, backend=backend)(logits, target, old.float(), adv.float())
+                value.backward()
+            ref, ref_grad = _smoothed_reference(full, target, old, adv, r, width)
+            record = backend.records[0]
+            results[tp] = dict(value_vs_eager=_err(value, eager), grad_vs_eager=_err(logits.grad, eager_logits.grad),
+                               value_vs_ref=_err(value, ref), eager_vs_ref=_err(eager, ref),
+                               grad_vs_ref=_err(logits.grad, ref_grad), eager_grad_vs_ref=_err(eager_logits.grad, ref_grad),
+                               sites=[(s.kind, s.tp_size) for s in record.sites], fallback=record.fallback_reason,
+                               rejected=[c.reason for c in record.rejected], log=log)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_a_kept_label_smoothed_function_leaves_the_fused_one_replaced():
+    pytest.importorskip("megatron.core")
+    per_rank = run_ranks(_kept_beside_replaced, 2, timeout_s=300)
+    for tp in (1, 2):
+        for rank, results in enumerate(per_rank):
+            r = results[tp]
+            where = (tp, rank, r)
+            assert r["fallback"] is None and r["sites"] == [("-logprob", tp)], where
+            assert any("label smoothing" in why and "vocab_parallel_logprob_entropy" in why for why in r["rejected"]), \
+                where
+            assert r["value_vs_ref"] <= 2 * r["eager_vs_ref"] + 1e-6, where
+            assert r["grad_vs_ref"] <= 2 * r["eager_grad_vs_ref"] + 1e-2, where
+            assert r["log"] == per_rank[0][tp]["log"], where

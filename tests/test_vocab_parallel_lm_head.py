@@ -1,6 +1,6 @@
 """The lm_head fused into the vocab-parallel op: `F.linear(hidden, W_shard)` / `hidden @ W_shard.t()`
 (with a bias shard, a cast, a `[B, S, H]` batch reshaped to rows) feeding a vocab-parallel Function
-(slime-style, megatron-core's) or functional all-reduce code, compiled with graphpass on 2 gloo ranks.
+(slime-style, megatron-core's, its fused one as slime calls it) or functional all-reduce code, compiled with graphpass on 2 gloo ranks.
 
 Checked per case against one device in float64: the PPO loss (temperature, entropy with and
 without gradient, a masked token mean) and the gradients of the hidden states (this rank's
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import graphpass
 from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
-from bench.workloads.tp_losses import megatron_logprob, slime_style_logprob_entropy
+from bench.workloads.tp_losses import megatron_fused_logprob, megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
 from test_vocab_parallel_functions import _funcol_logprob  # tests/ is on sys.path (also in the ranks)
 
@@ -47,6 +47,8 @@ def _logprob_entropy(code, logits, target, group, kw):
         return _funcol_logprob(logits, target, group if group is not None else dist.group.WORLD), None
     if code == "megatron":
         return megatron_logprob(logits, target, temperature=kw.get("temperature", 1.0)), None
+    if code == "megatron fused":  # [T, 1] log-probs of [T, 1, V/tp] logits
+        return megatron_fused_logprob(logits, target)[:, 0], None
     return slime_style_logprob_entropy(logits, target, group, **kw)
 
 
@@ -88,6 +90,7 @@ CASES = [
     ("slime", {"with_entropy": True, "temperature": 0.7}, torch.float32, "batched", True, False),
     ("slime", {"with_entropy": True, "temperature": 0.7}, torch.bfloat16, "linear", True, False),  # the fp32 cast
     ("megatron", {"temperature": 0.7}, torch.float32, "linear", True, False),
+    ("megatron fused", {}, torch.bfloat16, "matmul", False, False),  # a bf16 lm_head, slime's log-prob call
     ("funcol", {}, torch.float64, "matmul", True, False),  # inlined code, its gradient summed over ranks
     ("slime", {"with_entropy": True}, torch.float64, "linear", False, True),  # not fused
     ("slime", {}, torch.float64, "transposed", False, False),  # not fused
@@ -155,8 +158,8 @@ def _case(rank, world, code, kw, dtype, spelling, with_bias, z_loss, group=None,
     group_world = world if group is None else dist.get_world_size(group)
     data = _data(group_world)
     hidden, weight, bias, target, old, adv, mask = data
-    if code == "megatron":
-        group = None  # megatron-core reads its group from parallel_state
+    if code.startswith("megatron"):
+        group = None  # megatron-core's loss gets its group from parallel_state
     shard = slice(group_rank * WIDTH, (group_rank + 1) * WIDTH)
     h = hidden.to(dtype).clone().requires_grad_()
     w = weight[shard].to(dtype).clone().requires_grad_()
@@ -301,8 +304,9 @@ def test_the_site_says_lm_head_and_issues_todays_collectives_on_every_rank(index
         (today,) = r["today_sites"]
         why = _not_fused(CASES[index])
         assert site["lm_head"] is (why is None) and not today["lm_head"], where
-        assert site["hidden_shape"] == (None if why else (T, H)), where
-        assert site["shape"] == today["shape"] == (T, WIDTH) and site["tp_size"] == WORLD, where
+        lead = (T, 1) if code == "megatron fused" else (T,)  # it reads logits[:, None]
+        assert site["hidden_shape"] == (None if why else (*lead, H)), where
+        assert site["shape"] == today["shape"] == (*lead, WIDTH) and site["tp_size"] == WORLD, where
         assert site["kind"] == today["kind"] and site["collectives"] == today["collectives"], where
         summed = [("all_reduce in backward", WORLD)] if code == "funcol" else []
         assert [c[:2] for c in site["collectives"]] == [("all_gather", WORLD)] + summed, where

@@ -1,6 +1,8 @@
 """Tensor-parallel loss code as RL trainers write it, for `bench.tp` and the tests.
 
 * `megatron_logprob`: megatron-core's `tensor_parallel.vocab_parallel_cross_entropy`, negated.
+* `megatron_fused_logprob`: megatron-core's fused `fused_vocab_parallel_cross_entropy` (one
+  all-reduce of the target logit and the sum of exp concatenated), negated, as slime calls it.
 * `SlimeStyleLogProbEntropy`: an `autograd.Function` written the way slime's
   `_VocabParallelLogProbEntropy` is (our own code, same structure): the rank's first column from
   the group, a MAX all-reduce of the row max, SUM all-reduces of the sum of exp, the owned target's
@@ -36,6 +38,18 @@ def megatron_logprob(logits: torch.Tensor, target: torch.Tensor, group=None, tem
     # It writes into its input (the softmax, for its backward): hand it a tensor the caller does
     # not read again. Under graphpass the write disappears with the Function.
     return -tensor_parallel.vocab_parallel_cross_entropy(x, target)
+
+
+def megatron_fused_logprob(logits: torch.Tensor, target: torch.Tensor, group=None):
+    """Log-probs `[T, 1]` by megatron-core's fused vocab-parallel cross-entropy, as slime's
+    `compute_log_probs` calls it: `-fused_vocab_parallel_cross_entropy(logits[:, None], target[:, None])`
+    over `parallel_state`'s tensor-parallel group (or `group`). Its backward returns a bf16 gradient."""
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    group = parallel_state.get_tensor_model_parallel_group() if group is None else group
+    # fp32 logits: it writes into them (its `.float()` is no copy); callers hand it a clone.
+    return -fused_vocab_parallel_cross_entropy(logits.unsqueeze(1), target.unsqueeze(1), group)
 
 
 class VerlStyleEntropy(torch.autograd.Function):

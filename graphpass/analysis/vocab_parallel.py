@@ -13,8 +13,12 @@ normal forms of `recognize`, with the vocabulary split across the ranks:
 * the target's logit is read where this rank owns the target:
   `x[rows, index_put(t - s, [(t < s) | (t >= e)], 0)]` with the rows not owned then zeroed is
   `Partial(gather(t))`, when `s` is this rank's first column and `e - s` the slice width;
-* every other reduction over the vocabulary (a local softmax, log-sum-exp, gather, max) is not
-  understood: a max only ever serves as a row constant, which cancels.
+* several shares concatenated (`cat`, `stack`), all-reduced in one SUM and cut back at the
+  parts' boundaries (`split`, `chunk`, `unbind`, `slice`, `narrow`, `select`; megatron-core's
+  fused loss) are each part's sum (`_Concat`);
+* every other reduction over the vocabulary (a local softmax, log-sum-exp, gather, max, a mean
+  over the slice alone) is not understood: a max only ever serves as a row constant, which
+  cancels; a slice's own sum or mean (megatron-core's label smoothing) is named in the reason.
 
 A forward matches when each output is exactly a log-prob or an entropy of the logits input (or
 its negation), scaled by at most a constant temperature, or an empty tensor. Anything else is
@@ -24,6 +28,7 @@ reported as a reason and the Function stays as it is.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx
@@ -93,6 +98,27 @@ def _constant(gm, x):
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Concat:
+    """Values concatenated along `dim` (not the vocabulary): `parts`, pairs (form, length along
+    `dim`), each form possibly a share; `shape` the whole's. Several shares all-reduced in one
+    collective (megatron-core's fused loss: `cat((target_logit, sum_exp))`, one all-reduce, then
+    `split`) are read part by part: a SUM all-reduce of shares is the concatenation of their sums,
+    and a piece cut at the parts' boundaries is those parts."""
+
+    parts: tuple
+    dim: int
+    shape: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+    """The list `split` / `unbind` makes of a `_Concat`: each piece's form, None where a piece is
+    not whole parts of it."""
+
+    forms: tuple
+
+
 class _ShardEvaluator(recognize.Evaluator):
     """`recognize`'s evaluator for a forward that holds one slice of the vocabulary (module doc)."""
 
@@ -104,10 +130,13 @@ class _ShardEvaluator(recognize.Evaluator):
         self.after_collective = self._derived_from_collectives_only(gm.graph)
 
     def _eval(self, n):
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(self(n.args[0]), _Pieces):
+            piece = self(n.args[0]).forms[n.args[1]] if isinstance(n.args[1], int) else None
+            return self.unknown(n) if piece is None else piece
         # The forms of `recognize` do not know shares: an op that is not written for them and
         # reads one computes something this evaluator does not understand.
         if recognize.packet(n) not in _SHARE_AWARE and \
-                any(isinstance(self(a), (_Partial, _Owned)) for a in n.all_input_nodes):
+                any(isinstance(self(a), _NOT_FORMS) for a in n.all_input_nodes):
             return self.unknown(n)
         return super()._eval(n)
 
@@ -214,6 +243,9 @@ def _all_reduce(ev: _ShardEvaluator, n):
     f = ev(tensor)
     if op == "sum" and isinstance(f, _Partial) and ev.replicated(f.form):
         return f.form
+    if op == "sum" and isinstance(f, _Concat) and \
+            all(isinstance(part, _Partial) and ev.replicated(part.form) for part, _ in f.parts):
+        return dataclasses.replace(f, parts=tuple((part.form, length) for part, length in f.parts))
     return None  # a max (or an unsummed value): a row constant, the same on every rank
 
 
@@ -222,15 +254,148 @@ def _wait(ev, n):
 
 
 def _passes_shares(base):
-    """A view or cast: of a share, a share of the view (summing over ranks commutes with both)."""
+    """A view or cast: of a share, a share of the view (summing over ranks commutes with both);
+    of a concatenation, the same concatenation where the shape stays (a copy, a cast)."""
 
     def handler(ev, n):
         f = ev(n.args[0])
         if isinstance(f, (_Partial, _Owned)):
             return f
+        if isinstance(f, _Concat):
+            return f if recognize.shape_of(n) == f.shape else None
         return base(ev, n)
 
     return handler
+
+
+# ---- concatenations: several values in one tensor, cut back into them ---------------------------
+def _is_share(f) -> bool:
+    return isinstance(f, (_Partial, _Owned)) or (isinstance(f, _Concat) and any(_is_share(p) for p, _ in f.parts))
+
+
+def _is_narrow(f) -> bool:
+    """Whether form `f` holds no value that varies along the vocabulary (a share is a row value)."""
+    if isinstance(f, (_Partial, _Owned)):
+        return True
+    if isinstance(f, Exp):
+        return _is_narrow(f.lin)
+    return isinstance(f, dict) and not any(atom[0] == "x" for atom in f)
+
+
+def _concatenation(ev, n, tensors, dim, lengths):
+    """The `_Concat` of `tensors` along `dim` of `n` (each `lengths[i]` long there), where one of
+    them is a share and none varies along the vocabulary; else None."""
+    shape = recognize.shape_of(n)
+    if shape is None or not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+        return None
+    dim %= len(shape)  # any dim: values constant along the vocabulary have no vocabulary dim to keep
+    parts = []
+    for t, length in zip(tensors, lengths):
+        f = ev(t)
+        if not isinstance(length, int) or not isinstance(t, torch.fx.Node) or not _is_narrow(f) and \
+                not isinstance(f, _Concat):
+            return None
+        if isinstance(f, _Concat):  # a concatenation of concatenations along the same dim is one
+            if f.dim != dim or f.shape != recognize.shape_of(t):
+                return None
+            parts.extend(f.parts)
+        else:
+            parts.append((f, length))
+    if not any(_is_share(f) for f, _ in parts) or sum(length for _, length in parts) != shape[dim]:
+        return None
+    return _Concat(tuple(parts), dim, tuple(shape))
+
+
+def _cat(ev, n):
+    tensors, dim = n.args[0], recognize.arg_of(n, 1, "dim", 0)
+    shapes = [recognize.shape_of(t) for t in tensors]
+    shape = recognize.shape_of(n)
+    if shape is None or any(s is None or len(s) != len(shape) for s in shapes) or not isinstance(dim, int):
+        return None
+    return _concatenation(ev, n, tensors, dim, [s[dim % len(shape)] for s in shapes])
+
+
+def _stack(ev, n):
+    tensors = n.args[0]
+    return _concatenation(ev, n, tensors, recognize.arg_of(n, 1, "dim", 0), [1] * len(tensors))
+
+
+def _piece(f: _Concat, start: int, length: int):
+    """The form of `f`'s elements [start, start + length) along its dim: whole parts only, else None."""
+    at, parts = 0, []
+    for part, part_length in f.parts:
+        if start <= at and at + part_length <= start + length:
+            parts.append((part, part_length))
+        elif at < start + length and start < at + part_length:
+            return None  # the piece cuts this part
+        at += part_length
+    if sum(part_length for _, part_length in parts) != length or not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0][0]
+    shape = list(f.shape)
+    shape[f.dim] = length
+    return _Concat(tuple(parts), f.dim, tuple(shape))
+
+
+def _along(f, n, dim) -> bool:
+    return isinstance(f, _Concat) and isinstance(dim, int) and -len(f.shape) <= dim < len(f.shape) and \
+        dim % len(f.shape) == f.dim
+
+
+def _split(ev, n):
+    """`split` / `split_with_sizes` / `chunk` of a concatenation along its dim: its pieces."""
+    f, sizes, dim = ev(n.args[0]), n.args[1], recognize.arg_of(n, 2, "dim", 0)
+    if not _along(f, n, dim):
+        return None
+    total = f.shape[f.dim]
+    if recognize.packet(n) is aten.chunk:
+        sizes = -(-total // sizes) if isinstance(sizes, int) and sizes > 0 else None
+    if isinstance(sizes, int) and sizes > 0:
+        sizes = [min(sizes, total - start) for start in range(0, total, sizes)]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes) or sum(sizes) != total:
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return _Pieces(tuple(_piece(f, start, size) for start, size in zip(starts, sizes)))
+
+
+def _unbind(ev, n):
+    f, dim = ev(n.args[0]), recognize.arg_of(n, 1, "dim", 0)
+    if not _along(f, n, dim):
+        return None
+    return _Pieces(tuple(_piece(f, i, 1) for i in range(f.shape[f.dim])))
+
+
+def _slice(ev, n):
+    """`x[s:e]` along a concatenation's dim (`slice`, `narrow`): the parts it holds whole."""
+    f = ev(n.args[0])
+    if recognize.packet(n) is aten.narrow:
+        dim, start, length = n.args[1:4]
+        end = start + length if isinstance(start, int) and isinstance(length, int) else None
+        step = 1
+    else:
+        dim, start, end, step = (recognize.arg_of(n, i, name, default) for i, name, default in
+                                 ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1)))
+    if not _along(f, n, dim) or step != 1:
+        return None
+    total = f.shape[f.dim]
+    start, end = (0 if start is None else start), (total if end is None else end)
+    if not isinstance(start, int) or not isinstance(end, int):
+        return None
+    start, end = (min(max(i + total if i < 0 else i, 0), total) for i in (start, end))
+    return _piece(f, start, end - start) if end > start else None
+
+
+def _select(ev, n):
+    """`x[i]` along a concatenation's dim where part i is one long; else a `[T, 1]` value's select."""
+    f = ev(n.args[0])
+    if isinstance(f, _Concat):
+        dim, index = n.args[1:3]
+        if not _along(f, n, dim) or not isinstance(index, int):
+            return None
+        total = f.shape[f.dim]
+        return _piece(f, index % total, 1) if -total <= index < total else None
+    return recognize.h_select_unit(ev, n)
 
 
 def _local_sum(ev, n):
@@ -285,7 +450,11 @@ def _not_understood(ev, n):
 
 
 _SHARE_AWARE = recognize.TRANSPARENT | {aten.select, aten.index_put, aten.masked_fill, aten.where,
-                                          _COLLECTIVES.all_reduce, _COLLECTIVES.wait_tensor}
+                                          _COLLECTIVES.all_reduce, _COLLECTIVES.wait_tensor, aten.cat, aten.stack,
+                                          aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.slice,
+                                          aten.narrow}
+#: What this evaluator's handlers make besides `recognize`'s forms; only they read them.
+_NOT_FORMS = (_Partial, _Owned, _Concat, _Pieces)
 _SHARD_HANDLERS = {
     **{p: _passes_shares(h) for p, h in recognize.HANDLERS.items() if p in recognize.TRANSPARENT},
     **{p: h for p, h in recognize.HANDLERS.items() if p not in recognize.TRANSPARENT},
@@ -293,7 +462,15 @@ _SHARD_HANDLERS = {
     **{p: _not_understood for p in (aten.log_softmax, aten._log_softmax, aten.softmax, aten._softmax,
                                     aten.logsumexp, aten.take_along_dim, aten.cross_entropy_loss,
                                     aten.nll_loss_nd, aten.nll_loss)},
-    aten.select: recognize.h_select_unit,
+    aten.select: _select,
+    aten.cat: _cat,
+    aten.stack: _stack,
+    aten.split: _split,
+    aten.split_with_sizes: _split,
+    aten.chunk: _split,
+    aten.unbind: _unbind,
+    aten.slice: _slice,
+    aten.narrow: _slice,
     aten.sum: _local_sum,
     aten.gather: _gather,
     aten.index: _index,
@@ -324,6 +501,12 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
     label: OutputLabel = recognize.classify(form)
     if label.kind == recognize.ROWWISE:
         split = "" if isinstance(ev, _OneDeviceEvaluator) else "vocabulary-split "
+        local = [] if isinstance(ev, _OneDeviceEvaluator) else _slice_reductions(form)
+        if local:
+            return (f"output {node.name} is not a log-prob or an entropy of the {split}logits: it reads "
+                    f"{local[0].name} ({local[0].target}), a reduction over this rank's vocabulary slice alone, "
+                    "different on each rank (megatron-core's label smoothing: the slice's mean log-prob); reading "
+                    "it needs that per-row slice statistic in graphpass::vocab_parallel_logprob_entropy")
         return f"output {node.name} is not a log-prob or an entropy of the {split}logits"
     atoms = [a for a in form if a[0] in ("lse", "gather")]
     temperature = _temperature(atoms[0][1], ev.logits)
@@ -331,6 +514,22 @@ def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
         return f"output {node.name}: the logits are scaled or masked by more than a constant temperature"
     targets = [a[2] for a in form if a[0] == "gather"]
     return label.kind, temperature, targets[0] if targets else None
+
+
+def _slice_reductions(form) -> list:
+    """The sums and means over the vocabulary slice (of one rank) that `form` reads as unknown
+    values, not all-reduced: each rank's differs."""
+    if not isinstance(form, dict):
+        return []
+    found = []
+    for atom in form:
+        key = atom[1] if atom[0] in ("x", "c") else None
+        while isinstance(key, tuple) and key[:1] == ("scale",):
+            key = key[1]
+        if recognize.packet(key) in (aten.sum, aten.mean) and \
+                recognize.is_vocab_dim(key.args[0], recognize.arg_of(key, 1, "dim")):
+            found.append(key)
+    return found
 
 
 def _group(gm) -> tuple[str, list] | str:
@@ -512,6 +711,10 @@ def values_without_gradient(gm: torch.fx.GraphModule, match: VocabParallelMatch,
 def _has_statistic(form) -> bool:
     if isinstance(form, (_Partial, _Owned)):
         return _has_statistic(form.form)
+    if isinstance(form, _Concat):
+        return any(_has_statistic(part) for part, _ in form.parts)
+    if isinstance(form, _Pieces):
+        return any(_has_statistic(piece) for piece in form.forms)
     if isinstance(form, (PW, Exp)):
         return isinstance(form, PW) or _has_statistic(form.lin)
     return isinstance(form, dict) and any(atom[0] in ("lse", "gather", "sumpx") for atom in form)
