@@ -389,12 +389,13 @@ def tree_leaves(tree) -> list:
     return leaves(tree)
 
 
-def new_fake_mode():
+def new_fake_mode(allow_real_tensors: bool = False):
     """A fresh fake-tensor mode: tensors made under it (or by its `from_tensor`) have shapes,
-    dtypes and requires_grad, and no data."""
+    dtypes and requires_grad, and no data. With `allow_real_tensors`, an op that mixes its fake
+    tensors with real ones (a constant the code makes as it runs) treats those as fake too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode()
+    return FakeTensorMode(allow_non_fake_inputs=allow_real_tensors)
 
 
 def is_fake(x) -> bool:

@@ -138,7 +138,7 @@ def bind_arguments(fn, tensor_specs, scalar_args, device="cpu"):
         if missing:
             raise SpecError(f"missing --input or --arg for parameter {missing[0]!r} of {fn.__name__}")
     kwargs = {}
-    with _torch_api.new_fake_mode():
+    with _torch_api.new_fake_mode(allow_real_tensors=True):  # as `explain`'s: code may make constants
         for name, shape, dtype, grad in tensor_specs:
             t = torch.empty(shape, dtype=dtype, device=device)
             # Float inputs need grad unless told otherwise: the loss is differentiated w.r.t. them.

@@ -1,8 +1,9 @@
 """`graphpass.explain(fn, *example_inputs, **kwargs)`: what graphpass would do to `fn`, and what it saves.
 
 Captures `fn` with Dynamo on fake tensors (production shapes cost nothing: no tensor is ever
-allocated), runs graphpass's rewrite on every captured graph, estimates peak memory before and
-after, and returns a `graphpass.report.Report`. `graphpass inspect` renders the same object.
+allocated), decides each captured graph as the backend does (`pipeline.decide`: the rewrite, its
+memory veto, lint), estimates peak memory before and after, and returns a
+`graphpass.report.Report`. `graphpass inspect` renders the same object.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from graphpass import _torch_api, memory, report
 from graphpass.capture import capture as capture_graph
 from graphpass.config import Config
-from graphpass.pipeline import RewriteResult, rewrite_graph
+from graphpass.lint import function_warnings
+from graphpass.pipeline import RewriteResult, decide
 from graphpass.records import GraphRecord
 
 # Header that makes a dumped graph importable (`python -c "import graph0.after.x"` or runpy).
@@ -56,16 +58,18 @@ class _Dumper:
             f.write(_DUMP_HEADER.format(graph=self.index, stage=stage, pass_name=pass_name) + code)
 
 
-def _rewrite(gm, example_inputs, config, record, on_stage):
-    """The core's rewrite; when it fails the graph is reported unchanged."""
-    try:
-        return rewrite_graph(gm, example_inputs, config, record, on_stage=on_stage)
-    except Exception as e:
-        if config.strict:
-            raise
-        record.runs_unchanged(str(e).strip() or type(e).__name__)
-        before, fakes = _unchanged(gm, example_inputs)
-        return RewriteResult(before, before, fakes, record)
+def _rewrite(gm, example_inputs, config, record, on_stage) -> RewriteResult:
+    """The rewrite as the backend decides it (`pipeline.decide`: the same vetoes and lint), the
+    graph unchanged where the backend would run it unchanged."""
+    decision = decide(gm, example_inputs, config, record, on_stage=on_stage)
+    record.warnings += function_warnings(gm, record)
+    if decision.result is not None and record.rewritten:
+        return decision.result
+    if decision.result is not None:
+        before = decision.result.before
+        return RewriteResult(before, before, decision.result.fake_inputs, record)
+    before, fakes = _unchanged(gm, example_inputs)
+    return RewriteResult(before, before, fakes, record)
 
 
 def _unchanged(gm, example_inputs):
@@ -138,8 +142,11 @@ def explain(fn, *example_inputs, config: Config | None = None, dump_dir: str | N
     keyword arguments go to `fn`. Returns the `Report` that `graphpass inspect` renders.
     """
     config = config or Config()
-    args = fakeify(example_inputs)
-    kwargs = dict(zip(kwargs, fakeify(kwargs.values())))
+    # One mode for every input (tensors of two modes do not mix), which takes in the real tensors
+    # the code makes as it runs on them (a constant, a buffer filled between two graphs).
+    fake_mode = _torch_api.new_fake_mode(allow_real_tensors=True)
+    args = fakeify(example_inputs, fake_mode)
+    kwargs = dict(zip(kwargs, fakeify(kwargs.values(), fake_mode)))
     results = rewrite_results(fn, args, kwargs, config, dump_dir)
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
     inputs = {f"arg{i}": report.describe_value(a) for i, a in enumerate(args)}

@@ -93,3 +93,11 @@ def user_frame(stack_trace: str) -> tuple[str, str]:
     """("file.py:LINE", source text) of the innermost frame outside torch, or ("?", "")."""
     frames = [f for f in stack_frames(stack_trace) if "/torch/" not in f.path]
     return (frames[-1].where, frames[-1].code) if frames else ("?", "")
+
+
+def function_warnings(gm: torch.fx.GraphModule, record) -> list[str]:
+    """`lint_functions` for Dynamo's graph `gm` as `record` says it runs: the Functions replaced by
+    the sites of a rewrite that runs do not run."""
+    replaced = {f for s in record.sites if record.rewritten and s.replaced_function
+                for f in s.replaced_function.split(", ")}
+    return lint_functions(gm, replaced)
