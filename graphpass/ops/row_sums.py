@@ -31,6 +31,7 @@ are sums in bf16 or fp16, whose every factored term would be rounded to a few bi
 from __future__ import annotations
 
 import itertools
+import operator
 
 import torch
 import torch.fx
@@ -58,8 +59,9 @@ def factor_row_sums(gm: torch.fx.GraphModule) -> bool:
     after_sum = _DependsOnRowSum()
     sources = _WideSources()
     changed = False
+    shift_gradients = _max_shift_gradients(graph)
     for node in list(graph.nodes):
-        if not _is_row_sum(node) or node.meta["val"].dtype in _LOW_PRECISION:
+        if not _is_row_sum(node) or node.meta["val"].dtype in _LOW_PRECISION or node in shift_gradients:
             continue
         summand = node.args[0]
         width = summand.meta["val"].shape[-1]
@@ -80,6 +82,46 @@ def factor_row_sums(gm: torch.fx.GraphModule) -> bool:
         graph.eliminate_dead_code()
         gm.recompile()
     return changed
+
+
+def _max_shift_gradients(graph: torch.fx.Graph) -> set:
+    """The row sums that make the gradient of a max shift (`x - amax(x)` in the user's code): the
+    sum over the row of the shifted values' gradient, which the backward of `amax` adds at the max.
+    Exactly 0 in real arithmetic; in floating point eager's sum of its own rounded terms puts at the
+    max what the row's gradient sums to, so the gradient sums to 0 and a sum of it against the
+    logits (a temperature's gradient) is taken about the max. Factored, it would read the forward's
+    sum, be 0 to rounding, and lose that: a per-token temperature's gradient 3 x eager's error
+    (seed 405 of `bench.fuzz`). It stays a sum of the backward's own terms."""
+    found, todo = set(), []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.eq.Tensor and any(isinstance(a, torch.fx.Node) and a.target is aten.amax.default
+                                                 for a in node.args):
+            # amax's backward: the gradient, divided among the ties, where `x == amax(x)`.
+            todo += [u.args[0] if u.args[1] is node else u.args[1] for u in node.users if u.target is aten.mul.Tensor]
+        elif node.target in (aten.scatter.src, aten.scatter_add.default) and _max_indices(node.args[2]):
+            todo.append(node.args[3])  # max(dim)'s backward: the gradient scattered to its indices
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, torch.fx.Node) or node in found:
+            continue
+        if _is_row_sum(node):
+            found.add(node)
+        elif node.op == "call_function" and node.target in (aten.div.Tensor, aten.neg.default, aten.mul.Tensor):
+            todo.extend(a for a in node.args if isinstance(a, torch.fx.Node) and _narrow(a))
+    return found
+
+
+def _max_indices(node) -> bool:
+    """Whether `node` is the indices of a `max(x, dim)`."""
+    return (isinstance(node, torch.fx.Node) and node.target is operator.getitem and node.args[1] == 1
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is aten.max.dim)
+
+
+def _narrow(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and (val.ndim == 0 or val.shape[-1] == 1)
 
 
 def merge_common_subexpressions(graph: torch.fx.Graph) -> None:
