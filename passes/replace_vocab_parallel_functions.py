@@ -10,6 +10,13 @@ statistic, O(rows) saved instead of the softmax. The group is the one the forwar
 Function run without a process group (its all-reduces skipped, its targets still tested against
 its columns) becomes the op of one rank, which issues no collective.
 
+megatron-core's label-smoothed loss, `(1 - s) * (lse - x_t) - s * mean(log p)` with the mean over
+this rank's slice alone (each rank's loss differs), becomes the op with its slice mean of the
+log-probs (`with_slice_mean`) and the same two products added in the graph; ops over the same
+logits merge with it. The lm_head ops do not compute that mean: such an op keeps its logits (the
+reason on the site, so no gradients in forward either); code with a gradient through functional
+all-reduces that reads it is kept (their backward would sum that local mean's gradient).
+
 Also moved into the op, where exact: an fp32 upcast of bf16/fp16 logits (the op upcasts one chunk
 at a time) and a division of the logits by a constant temperature: of the compute-dtype logits
 (the op divides each upcast chunk), or of bf16/fp16 logits in their own dtype, as verl's Megatron
@@ -58,8 +65,8 @@ from graphpass.analysis.lm_head import (METADATA_CHECKS, LmHead, is_vocab_bias, 
 from graphpass.analysis.output_layer_function import (ForwardCut, cut_forward_at_logits, emit_product,
                                                       hidden_gradient_collective, output_layer_inside, read_transposes,
                                                       transposed_inputs)
-from graphpass.analysis.vocab_parallel import (EMPTY, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
-                                                match_graph, match_token_loss,
+from graphpass.analysis.vocab_parallel import (EMPTY, MIXES, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch,
+                                                match_forward, match_graph, match_token_loss,
                                                 values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of, later_reader, written_inputs
 from graphpass.fx_utils import copy_graph_module
@@ -196,6 +203,15 @@ def _position(graph, node) -> int:
     raise KeyError(node)
 
 
+#: The op's output that is the mean log-prob over this rank's vocabulary slice (`with_slice_mean`).
+_SLICE_MEAN_ITEM = 4
+
+
+def _with_slice_mean(op: torch.fx.Node) -> bool:
+    """Whether the op computes the slice mean of the log-probs (its argument 12, `with_slice_mean`)."""
+    return len(op.args) > 12 and bool(op.args[12])
+
+
 def _log_prob_read(op: torch.fx.Node) -> bool:
     """Whether anything reads the op's log-prob (output 0)."""
     return any(u.target is not operator.getitem or (u.args[1] == 0 and u.users) for u in op.users)
@@ -232,7 +248,7 @@ def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node, place: torch.fx.Nod
         return "a keep mask"
     if (ca, kera) != (cb, kerb):
         return "different chunking"
-    if any(u.target is not operator.getitem or u.args[1] not in (0, 1) for u in (*a.users, *b.users)):
+    if any(u.target is not operator.getitem or u.args[1] not in (0, 1, _SLICE_MEAN_ITEM) for u in (*a.users, *b.users)):
         return "an op's outputs are read whole"
     if (_entropy_read(a) and not wea) or (_entropy_read(b) and not web):
         return "an op's empty entropy is read"
@@ -281,12 +297,16 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
             target = _torch_api.fake_node(graph, fake_mode, target.target, target.args, target.kwargs, target)
         with_entropy = with_a or with_b
         entropy_grad = (with_a and grad_a) or (with_b and grad_b)
+        with_slice_mean = _with_slice_mean(a) or _with_slice_mean(b)
         op = _torch_api.fake_node(graph, fake_mode, _OP, (logits, target, keep_mask, group, temperature, with_entropy,
                                                           entropy_grad, ignore_index, chunk, kernels, _rounded(a),
-                                                          *a.args[11:]),
+                                                          *(next(o for o in (a, b) if _with_slice_mean(o)).args[11:13]
+                                                            if with_slice_mean else a.args[11:12])),
                                   {}, place)
-        items = [_torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, place) for i in range(2)]
-        detached = [_torch_api.fake_node(graph, fake_mode, aten.detach.default, (item,), {}, place) for item in items]
+        indices = (0, 1, _SLICE_MEAN_ITEM) if with_slice_mean else (0, 1)
+        items = {i: _torch_api.fake_node(graph, fake_mode, operator.getitem, (op, i), {}, place) for i in indices}
+        detached = {i: _torch_api.fake_node(graph, fake_mode, aten.detach.default, (item,), {}, place)
+                    for i, item in items.items()}
     for old in (a, b):
         for user in list(old.users):
             user.replace_all_uses_with((items if modes[old] == modes[place] else detached)[user.args[1]])
@@ -294,7 +314,7 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
         graph.erase_node(old)
     # The log-prob of an op whose log-prob nothing read (and whose target the other's replaced) is gone.
     outputs = [o for site, read, other in ((site_a, read_a, read_b), (site_b, read_b, read_a)) for o in site.outputs
-               if read or not other or not o.kind.endswith("logprob")]
+               if read or not other or o.kind.lstrip("-") != "logprob"]
     wide = logits.meta["val"]
     rows_hint = _torch_api.size_hint(wide.numel()) // max(1, _torch_api.size_hint(wide.shape[-1]))
     site = dataclasses.replace(
@@ -407,6 +427,9 @@ def _fuse_lm_head(graph: torch.fx.Graph, op: torch.fx.Node, site: SiteRecord, mo
         dtype = str(logits.meta["val"].dtype).removeprefix("torch.")
         head, why = None, (f"the op divides its logits by the temperature in {dtype} (as the code does, between "
                            "the matmul and the loss); the lm_head ops divide in fp32")
+    if head is not None and _with_slice_mean(op):
+        head, why = None, ("the op computes the mean log-prob over this rank's vocabulary slice (megatron-core's label "
+                           "smoothing), which the lm_head ops do not compute")
     if head is not None and head.weight_transposed:
         head, why = None, "its weight is [H, V/tp] (hidden @ W), not the [V/tp, H] shard of hidden @ W.T"
     checks = []
@@ -697,6 +720,11 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     source = source_of(match.nodes[0])
     requires = requires_grad(gm, example_inputs)
     with_gradient = any(requires[n] for n in match.nodes)
+    if with_gradient and any(kind in MIXES for kind in match.outputs):
+        record.rejected.append(Rejection(source, "vocab-parallel code kept: it reads the mean log-prob over this rank's "
+                                                 "vocabulary slice, and a gradient flows through its all-reduces "
+                                                 "(their backward sums over the ranks, which that local mean's does not)"))
+        return None
     if with_gradient and values_without_gradient(gm, match, requires, _rank_and_size):
         record.rejected.append(Rejection(source, "vocab-parallel code kept: part of its statistics is detached, "
                                                  "so its gradient is not that of its values"))
@@ -788,6 +816,21 @@ def as_the_output_was(node, results: dict, kind: str, want, non_differentiable: 
     return node(aten.detach.default, new) if non_differentiable else new
 
 
+def _mixed(node, results: dict, mix: tuple, want, non_differentiable: bool) -> torch.fx.Node:
+    """An output `a * logprob + b * slice mean log-prob` (`VocabParallelMatch.mixes`) from the op's
+    results, as `as_the_output_was` makes the others. megatron-core's label smoothing computes
+    `(1 - s) * loss - s * mean` in fp32: with a = s - 1 and b = -s the same products (up to their
+    sign, exact) added once."""
+    a, b = mix
+    new = node(aten.mul.Tensor, results["slice-mean"], b)
+    if a != 0.0:
+        new = node(aten.add.Tensor, node(aten.mul.Tensor, results["logprob"], a), new)
+    new = node(aten.reshape.default, new, list(want.shape))
+    if new.meta["val"].dtype != want.dtype:
+        new = node(aten._to_copy.default, new, dtype=want.dtype)
+    return node(aten.detach.default, new) if non_differentiable else new
+
+
 def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced, non_differentiable: set, config,
                      like, sum_grads: bool = False) -> tuple[SiteRecord, torch.fx.Node]:
     """One op call before `like`; each of `replaced` (a node, or (node, index into match.outputs))
@@ -800,6 +843,9 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
     with_entropy = any(k.endswith("entropy") for k in match.outputs)
     entropy_grad = with_entropy and not any(
         k.endswith("entropy") and i in non_differentiable for i, k in enumerate(match.outputs))
+    with_slice_mean = any(k in MIXES for k in match.outputs)
+    if with_slice_mean and sum_grads:
+        raise ValueError("the slice mean of the log-probs is not read where a gradient flows through all-reduces")
     chunk = config.chunk_size or 0
 
     def node(target, *args, like=None, **kwargs):
@@ -819,19 +865,26 @@ def _replace_outputs(graph: torch.fx.Graph, match: VocabParallelMatch, replaced,
             ignore_index = None
         op = node(torch.ops.graphpass.vocab_parallel_logprob_entropy.default, logits, target, None,
                   match.group_name, float(temperature), with_entropy, entropy_grad, ignore_index, chunk,
-                  "inductor" if config.inner == "inductor" else "eager", rounded, config.chunk_budget_bytes, like=like)
+                  "inductor" if config.inner == "inductor" else "eager", rounded, config.chunk_budget_bytes,
+                  *((True,) if with_slice_mean else ()), like=like)
         results = {"logprob": node(operator.getitem, op, 0), "entropy": node(operator.getitem, op, 1)}
+        if with_slice_mean:
+            results["slice-mean"] = node(operator.getitem, op, _SLICE_MEAN_ITEM)
         if sum_grads:
             results = _summing_grads(node, results, with_entropy, match.group_name)
         if row_order != sorted(row_order):  # the op's rows, put in the logits' order
+            used = {kind.lstrip("-") for kind in match.outputs} | ({"logprob", "slice-mean"} if with_slice_mean else set())
             results = {k: node(aten.permute.default, node(aten.reshape.default, v, list(rows), like=like),
                                list(row_order), like=like)
-                       for k, v in results.items() if any(kind.lstrip("-") == k for kind in match.outputs)}
+                       for k, v in results.items() if k in used}
     outputs = []
     for user, index in replaced:
         with graph.inserting_before(user):
-            new = as_the_output_was(node, results, match.outputs[index], user.meta["val"],
-                                    index in non_differentiable)
+            if match.outputs[index] in MIXES:
+                new = _mixed(node, results, match.mixes[index], user.meta["val"], index in non_differentiable)
+            else:
+                new = as_the_output_was(node, results, match.outputs[index], user.meta["val"],
+                                        index in non_differentiable)
         new.meta.update({k: v for k, v in user.meta.items() if k != "val"})
         user.replace_all_uses_with(new)
         graph.erase_node(user)

@@ -16,13 +16,20 @@ normal forms of `recognize`, with the vocabulary split across the ranks:
 * several shares concatenated (`cat`, `stack`), all-reduced in one SUM and cut back at the
   parts' boundaries (`split`, `chunk`, `unbind`, `slice`, `narrow`, `select`; megatron-core's
   fused loss) are each part's sum (`_Concat`);
+* a mean (or a sum) over the slice alone of the logits plus row constants, not all-reduced, is
+  the atom ("slicemean", L): this rank's own mean of the logits over its slice, different on
+  each rank (never a share; megatron-core's label smoothing averages the log-probs `x - lse`
+  over the slice: `slicemean - lse`);
 * every other reduction over the vocabulary (a local softmax, log-sum-exp, gather, max, a mean
-  over the slice alone) is not understood: a max only ever serves as a row constant, which
-  cancels; a slice's own sum or mean (megatron-core's label smoothing) is named in the reason.
+  over the slice alone of anything else) is not understood: a max only ever serves as a row
+  constant, which cancels; a slice's own sum or mean of something else is named in the reason.
 
 A forward matches when each output is exactly a log-prob or an entropy of the logits input (or
-its negation), scaled by at most a constant temperature, or an empty tensor. Anything else is
-reported as a reason and the Function stays as it is.
+its negation), scaled by at most a constant temperature, an empty tensor, or a log-prob plus a
+multiple of the slice's mean log-prob, `a * logprob + b * (slicemean - lse)` (`MIXES`: megatron-
+core's `vocab_parallel_cross_entropy(..., label_smoothing)` is a = s - 1, b = -s, with
+s = label_smoothing * Vl / (Vl - 1)). Anything else is reported as a reason and the Function
+stays as it is.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ from graphpass.fx_utils import arange_args, fake_value, transitive_inputs, trans
 aten = torch.ops.aten
 
 NOT_PARALLEL = "no all-reduce: not vocab-parallel"
+#: The kinds of an output that reads the mean of the log-probs over this rank's vocabulary slice
+#: (`VocabParallelMatch.mixes`): `a * logprob + b * slice mean log-prob`, a != 0 ("smoothed-logprob",
+#: megatron-core's label-smoothed cross-entropy) or a == 0 ("slice-mean-logprob").
+SMOOTHED, SLICE_MEAN = "smoothed-logprob", "slice-mean-logprob"
+MIXES = (SMOOTHED, SLICE_MEAN)
 NO_LOGPROB = "no log-prob or entropy of one vocabulary slice"
 #: What an output of a matched forward is, besides the four labels: an empty tensor (slime returns
 #: `new_zeros((0,))` for an entropy it was not asked for).
@@ -63,9 +75,12 @@ class VocabParallelMatch:
     temperature: float
     """The logits are divided by it inside the forward (1.0: unscaled)."""
     outputs: tuple[str, ...]
-    """Per output: "logprob", "-logprob", "entropy", "-entropy" or "empty"."""
+    """Per output: "logprob", "-logprob", "entropy", "-entropy", "empty", or one of `MIXES`."""
     nodes: tuple = ()
     """The output nodes, in the order of `outputs`."""
+    mixes: tuple = ()
+    """Per output: (a, b) where its kind is one of `MIXES`, the value `a * logprob + b * m` with `m`
+    the mean over this rank's vocabulary slice of the log-probs (local to the rank); else None."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,9 +413,26 @@ def _select(ev, n):
     return recognize.h_select_unit(ev, n)
 
 
+def _slice_mean(ev, n):
+    """`mean(x + c)` over the vocabulary slice, `x` the logits and `c` row constants:
+    `slicemean(x) + c`, the atom ("slicemean", L) this rank's own mean of `x(L)` over its slice
+    (not a share of anything: no all-reduce makes it global; `replicated` is False for it)."""
+    if not recognize.is_vocab_dim(n.args[0], recognize.arg_of(n, 1, "dim")):
+        return None
+    split = recognize.split_row_logits(ev(n.args[0]))
+    if split is None:
+        return None
+    return recognize.add_lin({("slicemean", split[0]): 1.0}, split[1])
+
+
 def _local_sum(ev, n):
     f = recognize.h_sum(ev, n)
-    return None if f is None else _Partial(f)
+    if f is None:  # a sum of x + c over the slice of W columns: W (slicemean(x) + c), this rank's own
+        mean = _slice_mean(ev, n)
+        width = recognize.shape_of(n.args[0])
+        return None if mean is None or width is None or not isinstance(width[-1], int) else \
+            recognize.scale_lin(mean, float(width[-1]))
+    return _Partial(f)
 
 
 def _row_indexed(n):
@@ -472,6 +504,7 @@ _SHARD_HANDLERS = {
     aten.slice: _slice,
     aten.narrow: _slice,
     aten.sum: _local_sum,
+    aten.mean: _slice_mean,
     aten.gather: _gather,
     aten.index: _index,
     aten.index_put: _zeroed,
@@ -492,28 +525,52 @@ def _temperature(key, logits) -> float | None:
     return t if key is logits else None
 
 
-def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object] | str:
-    """(kind, temperature, target node) of one output, or the reason it is not understood."""
+def _label(ev: _ShardEvaluator, node) -> tuple[str, float | None, object, tuple | None] | str:
+    """(kind, temperature, target node, mix) of one output, or the reason it is not understood;
+    `mix` the (a, b) of a kind in `MIXES`, else None."""
     val = fake_value(node)
     if isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() == 0:
-        return EMPTY, None, None  # no values, no gradient: what it was computed from does not matter
+        return EMPTY, None, None, None  # no values, no gradient: what it was computed from does not matter
     form = ev(node)
     label: OutputLabel = recognize.classify(form)
-    if label.kind == recognize.ROWWISE:
+    mix = _mixture(form) if label.kind == recognize.ROWWISE else None
+    if label.kind == recognize.ROWWISE and mix is None:
         split = "" if isinstance(ev, _OneDeviceEvaluator) else "vocabulary-split "
         local = [] if isinstance(ev, _OneDeviceEvaluator) else _slice_reductions(form)
         if local:
             return (f"output {node.name} is not a log-prob or an entropy of the {split}logits: it reads "
                     f"{local[0].name} ({local[0].target}), a reduction over this rank's vocabulary slice alone, "
-                    "different on each rank (megatron-core's label smoothing: the slice's mean log-prob); reading "
-                    "it needs that per-row slice statistic in graphpass::vocab_parallel_logprob_entropy")
+                    "different on each rank, of a value other than the logits or log-probs (their mean over the "
+                    "slice, megatron-core's label smoothing, is read)")
+        if isinstance(form, dict) and any(a[0] == "slicemean" for a in form):
+            return (f"output {node.name} reads the mean over this rank's vocabulary slice of the logits, but is not "
+                    "a log-prob plus a multiple of that slice's mean log-prob")
         return f"output {node.name} is not a log-prob or an entropy of the {split}logits"
     atoms = [a for a in form if a[0] in ("lse", "gather")]
     temperature = _temperature(atoms[0][1], ev.logits)
     if temperature is None:
         return f"output {node.name}: the logits are scaled or masked by more than a constant temperature"
     targets = [a[2] for a in form if a[0] == "gather"]
-    return label.kind, temperature, targets[0] if targets else None
+    kind = label.kind if mix is None else (SLICE_MEAN if mix[0] == 0.0 else SMOOTHED)
+    return kind, temperature, targets[0] if targets else None, mix
+
+
+def _mixture(form) -> tuple[float, float] | None:
+    """(a, b) when `form` is `a * (gather(L) - lse(L)) + b * (slicemean(L) - lse(L))` with b != 0:
+    a log-prob plus a multiple of the mean log-prob over this rank's slice (megatron-core's label
+    smoothing: `(1 - s) * (lse - x_t) - s * mean(log p)`, a = s - 1, b = -s); else None. Exact:
+    every atom on one logits key, the log-sum-exp's coefficient -(a + b)."""
+    if not isinstance(form, dict) or not all(atom[0] in ("gather", "slicemean", "lse") for atom in form):
+        return None
+    kinds = [atom[0] for atom in form]
+    if kinds.count("slicemean") != 1 or kinds.count("lse") != 1 or kinds.count("gather") > 1 or \
+            len({atom[1] for atom in form}) != 1:
+        return None
+    coefficient = {atom[0]: k for atom, k in form.items()}
+    a, b, lse = coefficient.get("gather", 0.0), coefficient["slicemean"], coefficient["lse"]
+    if abs(lse + a + b) > 1e-12 * max(1.0, abs(a), abs(b)):
+        return None
+    return a, b
 
 
 def _slice_reductions(form) -> list:
@@ -566,13 +623,14 @@ def _evaluator(gm, logits, group_name, rank_and_size) -> _ShardEvaluator | None:
 
 def _match(ev: _ShardEvaluator, outputs, group_name, rank_and_size) -> VocabParallelMatch | str:
     """Label `outputs` as vocab-parallel functions of the evaluator's logits."""
-    kinds, temperatures, targets = [], set(), set()
+    kinds, temperatures, targets, mixes = [], set(), set(), []
     for node in outputs:
         label = _label(ev, node)
         if isinstance(label, str):
             return label
-        kind, temperature, target = label
+        kind, temperature, target, mix = label
         kinds.append(kind)
+        mixes.append(mix)
         if kind != EMPTY:
             temperatures.add(temperature)
         if target is not None:
@@ -583,7 +641,7 @@ def _match(ev: _ShardEvaluator, outputs, group_name, rank_and_size) -> VocabPara
         return "outputs at different temperatures or of different targets"
     return VocabParallelMatch(logits=ev.logits, target=targets.pop() if targets else None, group_name=group_name,
                               group_size=rank_and_size(group_name)[1], temperature=temperatures.pop(),
-                              outputs=tuple(kinds), nodes=tuple(outputs))
+                              outputs=tuple(kinds), nodes=tuple(outputs), mixes=tuple(mixes))
 
 
 def match_forward(gm: torch.fx.GraphModule, outputs: list, rank_and_size) -> VocabParallelMatch | str:
@@ -689,12 +747,24 @@ def match_graph(gm: torch.fx.GraphModule, rank_and_size) -> VocabParallelMatch |
         labelled = {n for n in gm.graph.nodes if n in below and _per_row(n, logits) and _labelled(ev, n)}
         # The last of them: those read by something else (a log-prob's squeeze is the log-prob).
         outputs = [n for n in gm.graph.nodes if n in labelled and any(u not in labelled for u in n.users)]
+        # Not those read only on the way to later ones (megatron-core's label smoothing scales its
+        # cross-entropy, then adds the slice's mean log-prob: the scaled one is no output).
+        outputs = [n for n in outputs if n not in _read_only_by(gm.graph, [o for o in outputs if o is not n])]
         if outputs:
             match = _match(ev, outputs, group_name, rank_and_size)
             if not isinstance(match, str):
                 return match
             reason = match
     return reason
+
+
+def _read_only_by(graph, outputs) -> set:
+    """The nodes whose every reader is, transitively, one of `outputs` (or on the way to one)."""
+    dead = set(outputs)
+    for node in reversed(list(graph.nodes)):
+        if node.users and all(u in dead for u in node.users):
+            dead.add(node)
+    return dead
 
 
 def values_without_gradient(gm: torch.fx.GraphModule, match: VocabParallelMatch, requires: dict,
@@ -717,14 +787,15 @@ def _has_statistic(form) -> bool:
         return any(_has_statistic(piece) for piece in form.forms)
     if isinstance(form, (PW, Exp)):
         return isinstance(form, PW) or _has_statistic(form.lin)
-    return isinstance(form, dict) and any(atom[0] in ("lse", "gather", "sumpx") for atom in form)
+    return isinstance(form, dict) and any(atom[0] in ("lse", "gather", "sumpx", "slicemean") for atom in form)
 
 
 def _labelled(ev, node) -> bool:
     if not isinstance(fake_value(node), torch.Tensor):
         return False
     try:
-        return recognize.classify(ev(node)).kind != recognize.ROWWISE
+        form = ev(node)
+        return recognize.classify(form).kind != recognize.ROWWISE or _mixture(form) is not None
     except Exception:  # noqa: BLE001 - a node the evaluator cannot read is simply not labelled
         return False
 

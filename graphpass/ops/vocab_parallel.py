@@ -13,6 +13,11 @@ first moment for the entropy, the target's logit if this rank owns the target, t
 one all-gather of the `[rows, C]` statistics of all chunks then combines them on every rank (M = max_r m_r, S = sum_r S_r exp(m_r - M), lse = M + log S). Backward recomputes
 each chunk's softmax from the saved log-sum-exp and issues no collective.
 
+With `with_slice_mean` the op also returns each row's mean over this rank's slice of its
+log-probs, local to the rank (megatron-core's label smoothing reads it): the chunk loop sums
+`x - m` about the slice's own max, `_slice_mean` subtracts `lse - m` (no cancellation); nothing
+is added to the collective; its gradient `(1/Vl - p) * g` is this rank's alone, as for the log-prob.
+
 The collectives a call issues depend only on shapes and configuration (dtype, keep_mask given
 or not, with_entropy), never on values, requires_grad or grad mode, so ranks cannot disagree
 (slime #2123 hung on exactly that). A group of size one issues none.
@@ -140,18 +145,23 @@ def _shifted_moment(z, e):
 
 
 # ---- per-chunk kernels of the unmasked op (compiled by inductor under the graphpass backend) ---------
-def _chunk_stats(piece, temperature: float, with_entropy: bool):
-    """`[2 or 3, r]`: each row's max, sum of exp about it and (entropy) shifted first moment; the
-    owned targets' logits are read by the caller (a gather, not worth a kernel)."""
+def _chunk_stats(piece, temperature: float, with_entropy: bool, with_slice_sum: bool = False):
+    """`[2 to 4, r]`: each row's max, sum of exp about it, (entropy) shifted first moment and
+    (`with_slice_sum`, last) the sum of the shifted logits `x - m` over this slice; the owned
+    targets' logits are read by the caller (a gather, not worth a kernel)."""
     x = _scaled(piece, temperature, compute_dtype(piece.dtype))
     m, s, z, e = _max_and_sum_exp(x)
-    if not with_entropy:
-        return torch.stack([m, s])
-    return torch.stack([m, s, _shifted_moment(z, e)])
+    rows = [m, s]
+    if with_entropy:
+        rows.append(_shifted_moment(z, e))
+    if with_slice_sum:
+        rows.append(z.sum(dim=1))
+    return torch.stack(rows)
 
 
-def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
-    """One chunk of the logits' gradient, in their dtype (see `_backward`); `[r, 1]` row operands."""
+def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float, g_mean=None):
+    """One chunk of the logits' gradient, in their dtype (see `_backward`); `[r, 1]` row operands
+    (`g_mean`: the gradient of the slice's mean log-prob, or None)."""
     x = _scaled(piece, temperature, compute_dtype(piece.dtype))
     z = x - lse
     p = z.exp()
@@ -162,15 +172,19 @@ def _chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temper
     if g_ent is not None:
         # d entropy / dx = p (E[x] - x) = p (-H - (x - lse)); a -inf logit has p = 0 and contributes 0.
         out = out + p * (-entropy - z.clamp_min(torch.finfo(z.dtype).min)) * g_ent
+    if g_mean is not None:
+        # d mean_v(x_v - lse) / dx over this slice of W columns: 1/W - p (lse's dependence on the
+        # other ranks' logits is theirs to propagate, as for the log-prob).
+        out = out + (1.0 / x.shape[1] - p) * g_mean
     if temperature != 1.0:
         out = out / temperature
     return out.to(piece.dtype)
 
 
-def chunk_grad_(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float):
+def chunk_grad_(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature: float, g_mean=None):
     """`_chunk_grad` written over `piece` (its logits are read, then replaced by their gradient):
     one pass, no chunk-sized output. `local_target` may be shifted by a tile's first column."""
-    piece.copy_(_chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature))
+    piece.copy_(_chunk_grad(piece, lse, g_lp, g_target, local_target, entropy, g_ent, temperature, g_mean))
 
 
 _KERNELS: dict = {}
@@ -256,8 +270,12 @@ def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None)
 
 def forward_statistics(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
                        ignore_index: int | None, chunk_size: int, kernels: str,
-                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES):
-    """The op's forward over `logits`, a `[*, Vl]` tensor or a `HeadLogits` (computed chunk by chunk)."""
+                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES, with_slice_mean: bool = False):
+    """The op's forward over `logits`, a `[*, Vl]` tensor or a `HeadLogits` (computed chunk by chunk):
+    (logprob, entropy or [0], lse_lp, lse_full or [0]), and with `with_slice_mean` a fifth, the
+    slice mean of the log-probs (`_slice_mean`; not with a keep mask)."""
+    if with_slice_mean and keep_mask is not None:
+        raise ValueError("graphpass: the slice mean of the log-probs is not computed under a keep_mask")
     group, rank, size = rank_and_size(group_name)
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
@@ -269,6 +287,8 @@ def forward_statistics(logits, target, keep_mask, group_name: str, temperature: 
     local_target, owned, ignored = _local_targets(target_flat, rank, vocab, ignore_index)
     keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
     stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
+    # This rank's own: sum over its slice of x - m (its row max m), never gathered.
+    slice_sum = torch.zeros(rows, dtype=dtype, device=logits.device) if with_slice_mean else None
     chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device, chunk_budget_bytes)
     with torch.no_grad():
         for sl, piece in _row_chunks(logits, chunk):
@@ -288,10 +308,13 @@ def forward_statistics(logits, target, keep_mask, group_name: str, temperature: 
                     stats[sl, _FULL_M], stats[sl, _FULL_S], stats[sl, _A] = m, s, _shifted_moment(z, e)
                 del x
             else:
-                row_stats = compiled_kernel(_chunk_stats, kernels)(piece, temperature, with_entropy)
+                row_stats = compiled_kernel(_chunk_stats, kernels)(piece, temperature, with_entropy, with_slice_mean)
                 stats[sl, _M], stats[sl, _S] = row_stats[0], row_stats[1]
                 if with_entropy:
                     stats[sl, _A] = row_stats[2]
+                if with_slice_mean:
+                    slice_sum[sl] = row_stats[-1]
+    local_max = stats[:, _M].clone() if with_slice_mean else None
     if size > 1:
         # The one collective of the call: its shape is [size * rows, columns] on every rank, whatever
         # the values, grad mode or requires_grad (gloo wants the flat [world * n, ...] output).
@@ -302,16 +325,31 @@ def forward_statistics(logits, target, keep_mask, group_name: str, temperature: 
         stats = stats[None]
     logprob, entropy, lse_lp, lse_full = _finish(stats, with_entropy, masked, ignored, target_flat, vocab * size, size)
     # Distinct empty tensors: a custom op's outputs may not alias one another.
-    return (logprob.reshape(lead),
-            logits.new_empty((0,), dtype=dtype) if entropy is None else entropy.reshape(lead), lse_lp,
-            logits.new_empty((0,), dtype=dtype) if lse_full is None else lse_full)
+    outputs = (logprob.reshape(lead),
+               logits.new_empty((0,), dtype=dtype) if entropy is None else entropy.reshape(lead), lse_lp,
+               logits.new_empty((0,), dtype=dtype) if lse_full is None else lse_full)
+    if not with_slice_mean:
+        return outputs
+    return (*outputs, _slice_mean(stats, slice_sum, local_max, vocab).reshape(lead))
+
+
+def _slice_mean(stats, slice_sum, local_max, vocab: int):
+    """Each row's mean over this rank's slice of `vocab` columns of the log-probs `x - lse`
+    (megatron-core's label smoothing reads it), from the slice's sum of `x - m` about its own max
+    `m`: `sum/vocab - (lse - m)`, with `lse - m = (M - m) + log S`. The two terms are <= 0 and
+    >= 0: no cancellation (`sum(x)/vocab - lse` would lose the digits of large logits). Local to
+    the rank: each rank's differs."""
+    big_m, total, _ = _combine(stats[..., _M], stats[..., _S])
+    m = torch.where(torch.isneginf(local_max), torch.zeros_like(local_max), local_max)
+    return slice_sum / vocab - ((big_m - m) + total.log())
 
 
 # ---- backward ------------------------------------------------------------------------------------
 def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
               temperature: float, ignore_index: int | None, chunk_size: int, kernels: str,
-              rounded_division: bool, chunk_budget_bytes: int):
-    """d(logprob . grad_logprob + entropy . grad_entropy) / d logits, chunk by chunk, no collective.
+              rounded_division: bool, chunk_budget_bytes: int, grad_slice_mean=None):
+    """d(logprob . grad_logprob + entropy . grad_entropy + slice mean . grad_slice_mean) / d logits,
+    chunk by chunk, no collective.
 
     `rounded_division`: the op's logits are `logits / temperature` computed in the logits' dtype
     (`RoundedQuotient`); the gradient is then eager autograd's of that division: the gradient
@@ -329,7 +367,7 @@ def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob
             torch.div(chunk_grad, quotient_temperature, out=grad[sl])
 
     backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                  temperature, ignore_index, chunk_size, kernels, write, chunk_budget_bytes)
+                  temperature, ignore_index, chunk_size, kernels, write, chunk_budget_bytes, grad_slice_mean)
     return grad.view(logits.shape)
 
 
@@ -363,9 +401,10 @@ class GradRows:
 
 def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
                   temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink,
-                  chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES) -> None:
+                  chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES, grad_slice_mean=None) -> None:
     """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows in order;
-    `logits`: a `[*, Vl]` tensor or a `HeadLogits`. No collective."""
+    `logits`: a `[*, Vl]` tensor or a `HeadLogits`. No collective. `grad_slice_mean`: the gradient
+    of the slice mean of the log-probs (`_slice_mean`), or None; not with a keep mask."""
     _, rank, _ = rank_and_size(group_name)
     vocab = logits.shape[-1]
     rows = math.prod(logits.shape[:-1])
@@ -382,6 +421,9 @@ def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_log
         g_target = torch.where(owned, g_lp, 0)
     # An entropy returned only for logging gets a zero gradient: skip its recompute.
     g_ent = None if devices.known_zero(grad_entropy) else _flat(grad_entropy, rows).to(dtype)
+    g_mean = None if devices.known_zero(grad_slice_mean) else _flat(grad_slice_mean, rows).to(dtype)
+    if g_mean is not None and masked:
+        raise ValueError("graphpass: the slice mean of the log-probs is not computed under a keep_mask")
     lse_ent = lse_full if masked else lse_lp
     chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device, chunk_budget_bytes)
     if not masked:
@@ -393,7 +435,8 @@ def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_log
             grad = kernel(piece, lse_lp[sl, None],
                           None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
                           local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
-                          None if g_ent is None else g_ent[sl, None], temperature)
+                          None if g_ent is None else g_ent[sl, None], temperature,
+                          None if g_mean is None else g_mean[sl, None])
             sink(sl, piece if in_place else grad)
         return
     # Under a keep mask the log-prob's softmax is over the kept logits, the entropy's over all.
@@ -483,23 +526,30 @@ def fake_outputs(like, lead, with_entropy: bool, masked: bool):
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
                        temperature: float, with_entropy: bool, entropy_grad: bool, ignore_index: int | None,
                        chunk_size: int, kernels: str, rounded_division: bool = False,
-                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or [0]).
+                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES, with_slice_mean: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or
+    [0], the mean of the log-probs over this rank's vocabulary slice or [0]).
 
     `rounded_division`: the logits are divided by the temperature in their own dtype, as eager
     divides bf16/fp16 logits (`RoundedQuotient`), not upcast first and divided in fp32.
-    `chunk_budget_bytes`: `Config.chunk_budget_bytes`, for `chunk_size` 0 (`chunk_sizes`)."""
+    `chunk_budget_bytes`: `Config.chunk_budget_bytes`, for `chunk_size` 0 (`chunk_sizes`).
+    `with_slice_mean`: the fifth output is each row's mean over this rank's slice of its log-probs,
+    local to the rank (not all-reduced; megatron-core's label smoothing reads it), differentiable
+    with respect to this rank's logits alone; no keep mask. It adds nothing to the collective."""
     if rounded_division and temperature != 1.0:
         logits, temperature = RoundedQuotient(logits, temperature), 1.0
-    return forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index, chunk_size,
-                              kernels, chunk_budget_bytes)
+    out = forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index,
+                             chunk_size, kernels, chunk_budget_bytes, with_slice_mean)
+    return out if with_slice_mean else (*out, logits.new_empty((0,), dtype=compute_dtype(logits.dtype)))
 
 
 @_vocab_parallel_op.register_fake
 def _(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-      kernels, rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES):
-    return fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None)
+      kernels, rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES, with_slice_mean=False):
+    dtype = compute_dtype(logits.dtype)
+    mean = logits.new_empty(logits.shape[:-1] if with_slice_mean else (0,), dtype=dtype)
+    return (*fake_outputs(logits, logits.shape[:-1], with_entropy, keep_mask is not None), mean)
 
 
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy_backward", mutates_args=(),
@@ -509,24 +559,28 @@ def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep
                                 grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None, group_name: str,
                                 temperature: float, ignore_index: int | None, chunk_size: int,
                                 kernels: str, rounded_division: bool = False,
-                                chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+                                chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES,
+                                grad_slice_mean: torch.Tensor | None = None) -> torch.Tensor:
     """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
     return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
                      temperature, ignore_index, chunk_size, kernels, rounded_division and temperature != 1.0,
-                     chunk_budget_bytes)
+                     chunk_budget_bytes, grad_slice_mean)
 
 
 @_vocab_parallel_backward_op.register_fake
 def _(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name, temperature,
-      ignore_index, chunk_size, kernels, rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES):
+      ignore_index, chunk_size, kernels, rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES,
+      grad_slice_mean=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
     (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-     kernels, rounded_division, chunk_budget_bytes) = inputs
+     kernels, rounded_division, chunk_budget_bytes, with_slice_mean) = inputs
     ctx.rounded_division, ctx.chunk_budget_bytes = bool(rounded_division), chunk_budget_bytes
-    logprob, entropy, lse_lp, lse_full = output
+    logprob, entropy, lse_lp, lse_full, slice_mean = output
+    if not with_slice_mean:
+        ctx.mark_non_differentiable(slice_mean)
     ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
     ctx.kernels = kernels
     ctx.entropy_grad = with_entropy and entropy_grad
@@ -537,18 +591,21 @@ def _setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(entropy)
 
 
-def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full):
+def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_full, grad_slice_mean):
     if not ctx.needs_input_grad[0]:
-        return (None,) * 12
+        return (None,) * 13
     logits, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
     if not ctx.entropy_grad:
         grad_entropy = None
-    if grad_logprob is None and grad_entropy is None:
-        return (None,) * 12
+    if grad_slice_mean is not None and grad_slice_mean.numel() == 0:  # not asked for: an empty output
+        grad_slice_mean = None
+    if grad_logprob is None and grad_entropy is None and grad_slice_mean is None:
+        return (None,) * 13
     grad = _vocab_parallel_backward_op(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob,
                                        grad_entropy, ctx.group_name, ctx.temperature, ctx.ignore_index,
-                                       ctx.chunk_size, ctx.kernels, ctx.rounded_division, ctx.chunk_budget_bytes)
-    return (grad,) + (None,) * 11
+                                       ctx.chunk_size, ctx.kernels, ctx.rounded_division, ctx.chunk_budget_bytes,
+                                       grad_slice_mean)
+    return (grad,) + (None,) * 12
 
 
 _vocab_parallel_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -617,7 +674,7 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
         raise ValueError(f"graphpass: temperature must be a positive Python number, got {temperature!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"graphpass: chunk_size must be a positive int or None, got {chunk_size!r}")
-    logprob, entropy, _, _ = _vocab_parallel_op(logits, target, keep_mask, group_name(group), float(temperature),
+    logprob, entropy, *_ = _vocab_parallel_op(logits, target, keep_mask, group_name(group), float(temperature),
                                                 bool(with_entropy), bool(entropy_grad),
                                                 None if ignore_index is None else int(ignore_index),
                                                 chunk_size or 0, "eager")
