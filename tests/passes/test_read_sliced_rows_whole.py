@@ -114,3 +114,27 @@ def test_readers_that_are_not_a_slice_of_the_same_rows_stay():
                      (alone, (logits, target))):
         gm, _ = _rewritten(fn, *args)
         assert _sliced_readers(gm) == 1, fn.__name__
+
+
+def rpo_loss(hidden, weight, labels, mask):
+    """TRL's DPO with `rpo_alpha` (restated from trl/trainer/dpo_trainer.py, `concatenated_forward`):
+    a cross-entropy over the chosen half of the logits, `selective_log_softmax` over all rows."""
+    logits = hidden @ weight.T
+    nll = F.cross_entropy(torch.flatten(logits[:B], end_dim=1), torch.flatten(labels[:B], end_dim=1),
+                          ignore_index=0)
+    per_token = torch.gather(logits.log_softmax(-1), -1, torch.where(mask, labels, 0).unsqueeze(-1)).squeeze(-1)
+    summed = (per_token * mask).sum(-1)
+    return -F.logsigmoid(0.1 * (summed[:B] - summed[B:])).mean() + nll
+
+
+def test_a_cross_entropy_over_the_chosen_logits_joins_the_log_probs_of_all_rows():
+    hidden, weight, target = _inputs()
+    mask = target != -100
+    labels = torch.where(mask, target, 0)  # TRL pads labels with 0, its ignore_index here
+    fn = lambda h, w, _: rpo_loss(h, w, labels, mask)  # noqa: E731
+    backend = graphpass.Backend(chunk_size=4)
+    compiled = _run(torch.compile(fn, backend=backend), hidden, weight, None, torch.float32)
+    assert [(s.kind, s.lm_head) for r in backend.records for s in r.sites] == [("-logprob+logprob", True)]
+    eager, reference = (_run(fn, hidden, weight, None, dtype) for dtype in (torch.float32, torch.float64))
+    for name, c, e, r in zip(("loss", "hidden.grad", "weight.grad"), compiled, eager, reference):
+        assert not fuzz.compare(name, c, e, r, fuzz.RTOL[torch.float32], min_scale=0.0)
