@@ -414,25 +414,30 @@ def _preference_nll_of_the_gathered_rows(h, W, y):
     return -picked[:2].mean() - torch.nn.functional.logsigmoid(logps[:2] - logps[2:]).mean()
 
 
-def test_a_row_slice_of_a_log_softmax_read_whole_says_what_to_change():
-    """Sliced, the rows read by the NLL keep the `[2B, S, V]` log-softmax (and the matmul) out of
-    the region; the site says so and what to change. Changed so, the lm_head is fused, same values."""
+def test_a_row_slice_of_a_log_softmax_read_whole_is_one_site_with_the_lm_head():
+    """The NLL over the chosen half reads all rows (`read_sliced_rows_whole`), so the `[2B, S, V]`
+    log-softmax is one region with the matmul in it, as where the NLL is written on the gathered
+    rows; without that pass the site says why the matmul stays out and what to change."""
     g = torch.Generator().manual_seed(0)
     h, W = torch.randn(4, 5, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64)
     y = torch.randint(0, V, (4, 5), generator=g)
     results = {}
-    for fn in (_preference_nll_on_a_slice, _preference_nll_of_the_gathered_rows):
-        backend = graphpass.Backend(inner="aot_eager")
+    for fn, kind, disabled in ((_preference_nll_on_a_slice, "-logprob+logprob", ()),
+                               (_preference_nll_of_the_gathered_rows, "logprob", ()),
+                               (_preference_nll_on_a_slice, "rowwise", ("read_sliced_rows_whole_pass",))):
+        backend = graphpass.Backend(inner="aot_eager", disable_passes=disabled)
         ours = [h.clone().requires_grad_(), W.clone().requires_grad_()]
         torch.compile(fn, backend=backend)(*ours, y).backward()
-        results[fn] = [t.grad for t in ours]
+        torch.compiler.reset()
+        results[fn, disabled] = [t.grad for t in ours]
         (site,) = [s for r in backend.records for s in r.sites]
-        if fn is _preference_nll_on_a_slice:
+        assert site.kind == kind
+        if disabled:
             assert not site.lm_head
             assert site.lm_head_reason.startswith("it reads rows sliced (slice.Tensor at test_lm_head.py"), site.lm_head_reason
             assert "slice those to take the matmul in" in site.lm_head_reason
         else:
-            assert (site.kind, site.lm_head) == ("logprob", True), site.lm_head_reason
+            assert site.lm_head, site.lm_head_reason
     expected = [h.clone().requires_grad_(), W.clone().requires_grad_()]
     _preference_nll_on_a_slice(*expected, y).backward()
     for grads in results.values():
