@@ -365,6 +365,55 @@ def test_bf16_backward_takes_two_passes_where_one_would_accumulate(monkeypatch):
     assert not products
 
 
+# fp32 copies multiplied faster than bf16 (a CPU without bf16 arithmetic): one pass pays where it fits.
+UPCAST_FASTER = "native=1e10,upcast=1e11"
+
+
+@pytest.mark.parametrize("case,in_forward,budget,expected", [
+    ("ppo", False, 4096, "tiles"),  # the hidden states' accumulator [13, 8] fits the budget
+    ("scaled", False, 4096, "two passes"),  # the weight's [300, 8] fp32 does not
+    ("scaled", False, 1 << 16, "rows"),  # ... in a larger one it does
+    ("more rows", False, 4096, "rows"),  # [32, 8]: no tiles, the weight's accumulator fits
+    ("ppo", True, 4096, "two passes"),  # in forward the weight's accumulator, [300, 8] fp32
+    ("ppo", True, 1 << 16, "rows"),
+])
+def test_bf16_schedule_follows_the_measured_gemm_rates(case, in_forward, budget, expected, monkeypatch):
+    """Where products from fp32 copies are measured faster than bf16 ones, a bf16 weight takes
+    the one pass that accumulates in fp32 (`devices.mm_into` from fp32 copies) wherever its
+    accumulator fits the backward's budget, else the two passes; each schedule as close to float64
+    as eager (`_check`)."""
+    monkeypatch.setenv("GRAPHPASS_GEMM_RATES", UPCAST_FASTER)
+    upcast = []
+    mm_into = lm_head.devices.mm_into
+    monkeypatch.setattr(lm_head.devices, "mm_into", lambda acc, left, *a, **k: (
+        upcast.append(left.dtype != acc.dtype), mm_into(acc, left, *a, **k))[1])
+    fn, tensors = ppo, _batch(torch.bfloat16)
+    if case == "scaled":
+        learned = torch.rand(V, generator=torch.Generator().manual_seed(5)).add(0.5).requires_grad_()
+        fn, tensors = scaled, tensors + [learned]
+    elif case == "more rows":
+        tensors = _batch(torch.bfloat16, rows=40, vocab=32)
+    (program,) = _programs(_check(fn, tensors, gradients_in_forward=in_forward, chunk_budget_bytes=budget))
+    assert _schedule(program) == expected
+    assert any(upcast) == (expected != "two passes")
+
+
+def test_two_passes_pay_by_the_rates_and_the_accumulators_bytes(bf16_ppo_program, monkeypatch):
+    """The chooser at the bench's shape (T=2048, H=1024, V=32768, 16 MiB budget): the hidden
+    states' fp32 accumulator (8 MiB) fits, so the rates decide; the weight's (128 MiB) never does.
+    Two passes run 4 - 14336/32768 GEMMs natively, one pass 2 natively and one from fp32 copies:
+    they pay while the copies' rate is below the native one / 1.5625."""
+    program = copy.copy(bf16_ppo_program)
+    program.head = dataclasses.replace(program.head, hidden_size=1024)
+    program.chunk_budget_bytes, program.inner = 16 * 2**20, "inductor"
+    rows, vocab = 2048, 32768
+    assert program.kept_columns(rows, vocab, 2)[0] == 14336
+    for upcast, two_passes in ((0.63e11, True), (0.65e11, False), (1e12, False)):
+        monkeypatch.setenv("GRAPHPASS_GEMM_RATES", f"native=1e11,upcast={upcast}")
+        assert program._two_passes_pay(rows, vocab, 2, accumulated_rows=rows) == two_passes
+        assert program._two_passes_pay(rows, vocab, 2, accumulated_rows=vocab)
+
+
 @pytest.mark.parametrize("in_forward", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_backward_that_sums_along_the_vocabulary_carries_its_sums(dtype, in_forward):

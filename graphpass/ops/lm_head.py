@@ -25,13 +25,17 @@ wide value is and where its gradient goes, and adds one schedule of its own, ove
 Which gradient accumulates is chosen by shapes: the backward (a loss outside the op) takes tiles
 when the weight needs a gradient, no other input does and rows <= V (the hidden states'
 accumulator is the smaller); else row blocks. On the CPU, for a weight narrower than fp32, it
-takes both instead where one would accumulate (row blocks for every gradient but the weight's,
-then tiles for the weight's): the CPU's mm has no fp32 output for bf16 operands, and a product of
-fp32 copies ran 9 x slower than the bf16 one here. Where the loss is one sum of per-token terms the
+may take both instead where one would accumulate (row blocks for every gradient but the weight's,
+then tiles for the weight's): the CPU's mm has no fp32 output for bf16 operands, so one pass
+multiplies fp32 copies into its accumulator. Which is faster depends on the processor (a product
+of fp32 copies ran 9 x slower than the bf16 one on a Xeon with AMX, 4-7 x on an AMD EPYC with
+AVX512-BF16), so the schedule is chosen by this machine's measured GEMM rates
+(`LinearHeadProgram._two_passes_pay`, `gemm_rates`), one pass only where its fp32 accumulator fits
+the backward's budget. Where the loss is one sum of per-token terms the
 op computes the gradients in its forward (`RegionProgram.forward_with_gradients`): one pass over
 row blocks, three GEMMs. For a weight narrower than fp32 its fp32 accumulator would be twice its
-gradient, so that forward makes two passes instead (no accumulator): row blocks for `dhidden`
-(complete per block) whose fused kernel also writes each row's statistics and the backward's
+gradient (beyond the backward's budget unless the weight is small or rows >= 15 V), so that
+forward makes two passes instead (no accumulator): row blocks for `dhidden` (complete per block) whose fused kernel also writes each row's statistics and the backward's
 own row sums (`JointSplit.fused_saving`), then vocabulary tiles for `dW` (complete per tile). The first pass
 keeps the last entries' dlogits in the weight gradient's buffer, which exists but is not written
 until the second (`LinearHeadProgram.kept_columns`), so the second multiplies those at once and
@@ -50,7 +54,7 @@ import logging
 
 import torch
 
-from graphpass.ops import chunk_sizes, devices, head_matmul
+from graphpass.ops import chunk_sizes, devices, gemm_rates, head_matmul
 from graphpass.ops.chunked_op import BCAST, WIDE, RegionProgram, empty_gradient
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.joint import NotTileable
@@ -157,8 +161,34 @@ class LinearHeadProgram(RegionProgram):
         """Whether a block's weight-gradient product is computed from fp32 copies: on the CPU, for
         a weight narrower than fp32 whose gradient accumulates over row blocks (neither pass of
         two, in forward or in backward, accumulates it)."""
-        return (itemsize < 4 and not self._saving_wanted and devices.host_reads_are_free(self.device)
+        return (itemsize < 4 and devices.host_reads_are_free(self.device)
+                and not self._forward_in_two_passes(rows, vocab, itemsize)
                 and not self._backward_in_two_passes(rows, vocab, itemsize, self._gradient_outputs()))
+
+    def _forward_in_two_passes(self, rows: int, vocab: int, itemsize: int) -> bool:
+        """Whether the gradients computed in forward take the two passes of the module doc: for a
+        weight narrower than fp32 whose saving kernel traced (`prepare_gradients_in_forward`), where
+        they pay (`_two_passes_pay`; one pass accumulates the weight's gradient, `[V, H]`)."""
+        return bool(self._saving_wanted) and self._two_passes_pay(rows, vocab, itemsize, accumulated_rows=vocab)
+
+    def _two_passes_pay(self, rows: int, vocab: int, itemsize: int, accumulated_rows: int) -> bool:
+        """The schedule chooser for a weight narrower than fp32 on the CPU: whether two passes of
+        GEMMs in its dtype (no accumulator) beat one pass whose accumulating product is computed
+        from fp32 copies into an fp32 accumulator of `accumulated_rows` x H (the weight's gradient's
+        over row blocks, or the hidden states' over tiles). The one pass is a candidate only where
+        its accumulator fits the backward's budget (`_budget`: the bound the blocks and tiles
+        take); then the faster by this machine's measured rates (`gemm_rates.measured`): two passes
+        run 4 - kept/V GEMMs of 2 x rows x H x V flops natively, one pass 2 natively and 1 from
+        fp32 copies (either way the product is rounded once to the dtype eager's is)."""
+        if not devices.host_reads_are_free(self.device):
+            return True  # an accelerator's products accumulate in fp32 natively; its rule is as before
+        accumulator = accumulated_rows * self.head.hidden_size * 4
+        if accumulator > self._budget(rows, vocab, itemsize, backward=True):
+            return True
+        rates = gemm_rates.measured(self.inputs[self.head.position].dtype)
+        kept, _ = self.kept_columns(rows, vocab, itemsize)
+        two_passes = (4 - kept / max(vocab, 1)) / rates.native
+        return two_passes <= 2 / rates.native + 1 / rates.upcast
 
     def _gradient_outputs(self) -> tuple[int, ...]:
         """The outputs that can carry a gradient: the backward's active ones when all do."""
@@ -192,11 +222,11 @@ class LinearHeadProgram(RegionProgram):
         if not backward:
             return blocks
         active = self._gradient_outputs()
-        two_passes = bool(self._saving_wanted) or self._backward_in_two_passes(rows, vocab, grad_itemsize, active)
-        if two_passes:  # row blocks, then tiles
+        in_forward = self._forward_in_two_passes(rows, vocab, grad_itemsize)
+        if in_forward or self._backward_in_two_passes(rows, vocab, grad_itemsize, active):  # row blocks, then tiles
             width = self.tile_columns(rows, vocab, grad_itemsize, upcast=False)
             tile = int(rows * width * self._bytes_per_element(grad_itemsize, True, False))
-            if not self._saving_wanted:  # the backward's row values are saved already
+            if not in_forward:  # the backward's row values are saved already
                 return max(blocks, tile)
             carried = self.split.carried(self.total_positions, (self.head.position,))
             return max(blocks, tile) + rows * 4 * (len(self.split.saved) + len(carried)
@@ -253,12 +283,14 @@ class LinearHeadProgram(RegionProgram):
             return super()._gradient_sink(i, tensors, needs_grad, rows, vocab, chunk, backward)
         itemsize = tensors[self.head.weight].element_size()
         block = self.block_rows(rows, vocab, itemsize)
-        tiles = None  # the weight's gradient accumulates over the row blocks
+        tiles, weight_by_tiles = None, False  # the weight's gradient accumulates over the row blocks
         if backward is None and self._kernel_wanted(needs_grad) in self._saving_wanted:
             tiles = (self.total_positions, None)  # a saving kernel writes the row values
+            weight_by_tiles = self._forward_in_two_passes(rows, vocab, itemsize)
         elif backward is not None and self._backward_in_two_passes(rows, vocab, itemsize, backward[0], needs_grad):
-            tiles = backward
-        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block, tiles)
+            tiles, weight_by_tiles = backward, True
+        return _HeadGradients(self, tensors, needs_grad, rows, vocab, chunk, block, tiles,
+                              weight_by_tiles and needs_grad[self.head.weight])
 
     # ---- vocabulary tiles ----------------------------------------------------------------
     def prepare_gradients_in_forward(self, needs_grad) -> None:
@@ -312,12 +344,13 @@ class LinearHeadProgram(RegionProgram):
         """Whether the backward takes two passes, as the forward does for gradients of a narrower
         weight (module doc): row blocks for every gradient but the weight's, then vocabulary tiles for
         the weight's, both complete in the weight's dtype. On the CPU, for a weight narrower than
-        fp32, where one pass would accumulate a gradient over blocks or tiles: the CPU's mm has no
-        fp32 output for bf16 operands, so `devices.mm_into` multiplies fp32 copies, and a
-        `[2048, 4096] @ [4096, 1024]` product took 70 ms in fp32 against 7.8 ms in bf16 here (AMX):
-        the bf16 loss-outside step at T=2048, H=1024, V=32768 ran 1.5 x inductor's time in one
-        pass, 0.87 x in two (`bench.lm_head --workloads ppo_outside --dtypes bf16 --ab`). Without
-        `needs_grad`: as when the head's operands, and nothing else, need gradients."""
+        fp32, where one pass would accumulate a gradient over blocks or tiles and the two pay
+        (`_two_passes_pay`): the CPU's mm has no fp32 output for bf16 operands, so `devices.mm_into`
+        multiplies fp32 copies, and on a Xeon with AMX a `[2048, 4096] @ [4096, 1024]` product took
+        70 ms in fp32 against 7.8 ms in bf16: the bf16 loss-outside step at T=2048, H=1024,
+        V=32768 ran 1.5 x inductor's time in one pass, 0.87 x in two (`bench.lm_head --workloads
+        ppo_outside --dtypes bf16 --ab`). Without `needs_grad`: as when the head's operands, and
+        nothing else, need gradients."""
         head = self.head
         if not active or self._fused or itemsize >= 4 or not devices.host_reads_are_free(self.device):
             return False  # no gradient to compute, or computed in forward: no backward runs
@@ -325,9 +358,11 @@ class LinearHeadProgram(RegionProgram):
             return False
         if self._tile_kernel(active) is not None or self.split.carried(active, (head.position,)):
             return False  # the tiles cannot give the weight's gradient alone
-        # One pass accumulates unless it is tiles with the weight's gradient alone wanted.
-        return (rows > vocab or needs_grad is None or needs_grad[head.position]
-                or self._kernel_wanted(needs_grad) != (head.position,))
+        tiles = rows <= vocab and (needs_grad is None or self._kernel_wanted(needs_grad) == (head.position,))
+        if tiles and needs_grad is not None and not needs_grad[head.position]:
+            return False  # one pass over tiles, the weight's gradient alone: nothing accumulates
+        # One pass accumulates the hidden states' gradient over tiles, or the weight's over row blocks.
+        return self._two_passes_pay(rows, vocab, itemsize, accumulated_rows=rows if tiles else vocab)
 
     def backward(self, tensors, saved, needs_grad, grad_outputs):
         """The base's row blocks, or vocabulary tiles where `_tiles_reason` allows: `dW` complete
@@ -464,9 +499,12 @@ class _HeadGradients:
     `dhidden[block] = dlogits @ W` in place and `dW += dlogits.T @ hidden[block]`,
     `db += dlogits.sum(0)` into fp32 accumulators; or, with `tiles`, `dW` over vocabulary tiles
     once every block ran (`LinearHeadProgram._tile_pass`). `tiles`: (the active outputs, the row
-    values the tile kernel reads, or None where a saving kernel writes them block by block)."""
+    values the tile kernel reads, or None where a saving kernel writes them block by block);
+    `weight_by_tiles`: whether the weight's gradient is computed over the tiles (else accumulated
+    over the blocks, as where a saving kernel ran in the one pass `_two_passes_pay` chose)."""
 
-    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block, tiles=None):
+    def __init__(self, program: LinearHeadProgram, tensors, needs_grad, rows, vocab, chunk, block, tiles=None,
+                 weight_by_tiles=False):
         head = self.head = program.head
         self.program, self.tensors = program, tensors
         hidden, weight = tensors[head.position], tensors[head.weight]
@@ -497,7 +535,7 @@ class _HeadGradients:
             self.row_values += [torch.empty((rows, *spec.tail), dtype=spec.dtype, device=device)
                                 for spec in program.split.carried(program.total_positions, (head.position,))]
             self.written_row_values = self.row_values
-        self.weight_by_tiles = tiles is not None and needs_grad[head.weight]
+        self.weight_by_tiles = weight_by_tiles
         # With kept columns (`LinearHeadProgram.kept_columns`) the weight's gradient exists from
         # the start: its front holds the kept dlogits.
         self.weight_grad = self.kept = None
