@@ -421,39 +421,50 @@ def _smoothed_reference(full, target, old, adv, rank, width):
     return loss.detach(), full.grad[:, rank * width:(rank + 1) * width]
 
 
-def _kept_beside_replaced(rank, world):
+def _at_each_tp_size(world):
+    """1, then `world`: each tensor-parallel size, with megatron-core's groups made for it."""
     from megatron.core import parallel_state
 
-    results = {}
     for tp in (1, world):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         try:
-            width = WIDTH[tp]
-            g = torch.Generator().manual_seed(5)
-            full = torch.randn(T, tp * width, generator=g, dtype=torch.float64) * 2
-            target = torch.randint(0, tp * width, (T,), generator=g)
-            old, adv = torch.randn(T, generator=g, dtype=torch.float64) - 3, torch.randn(T, generator=g,
-                                                                                          dtype=torch.float64)
-            r = rank % tp
-            local = full[:, r * width:(r + 1) * width].to(torch.bfloat16)
-            eager_logits = local.clone().requires_grad_()
-            eager = _fused_and_smoothed(eager_logits, target, old.float(), adv.float())
-            eager.backward()
-            torch._dynamo.reset()
-            backend = graphpass.Backend(inner="aot_eager")
-            logits = local.clone().requires_grad_()
-            with collectives() as log:
-                value = torch.compile(_fused_and_smoothed, backend=backend)(logits, target, old.float(), adv.float())
-                value.backward()
-            ref, ref_grad = _smoothed_reference(full, target, old, adv, r, width)
-            record = backend.records[0]
-            results[tp] = dict(value_vs_eager=_err(value, eager), grad_vs_eager=_err(logits.grad, eager_logits.grad),
-                               value_vs_ref=_err(value, ref), eager_vs_ref=_err(eager, ref),
-                               grad_vs_ref=_err(logits.grad, ref_grad), eager_grad_vs_ref=_err(eager_logits.grad, ref_grad),
-                               sites=[(s.kind, s.tp_size) for s in record.sites], fallback=record.fallback_reason,
-                               rejected=[c.reason for c in record.rejected], log=log)
+            yield tp
         finally:
             parallel_state.destroy_model_parallel()
+
+
+def _errors(value, eager, ref, grad, eager_grad, ref_grad) -> dict:
+    """graphpass's value and gradient against eager's and float64's, and eager's against float64's."""
+    return dict(value_vs_eager=_err(value, eager), grad_vs_eager=_err(grad, eager_grad), value_vs_ref=_err(value, ref),
+                eager_vs_ref=_err(eager, ref), grad_vs_ref=_err(grad, ref_grad),
+                eager_grad_vs_ref=_err(eager_grad, ref_grad))
+
+
+def _kept_beside_replaced(rank, world):
+    results = {}
+    for tp in _at_each_tp_size(world):
+        width = WIDTH[tp]
+        g = torch.Generator().manual_seed(5)
+        full = torch.randn(T, tp * width, generator=g, dtype=torch.float64) * 2
+        target = torch.randint(0, tp * width, (T,), generator=g)
+        old, adv = torch.randn(T, generator=g, dtype=torch.float64) - 3, torch.randn(T, generator=g,
+                                                                                      dtype=torch.float64)
+        r = rank % tp
+        local = full[:, r * width:(r + 1) * width].to(torch.bfloat16)
+        eager_logits = local.clone().requires_grad_()
+        eager = _fused_and_smoothed(eager_logits, target, old.float(), adv.float())
+        eager.backward()
+        torch._dynamo.reset()
+        backend = graphpass.Backend(inner="aot_eager")
+        logits = local.clone().requires_grad_()
+        with collectives() as log:
+            value = torch.compile(_fused_and_smoothed, backend=backend)(logits, target, old.float(), adv.float())
+            value.backward()
+        ref, ref_grad = _smoothed_reference(full, target, old, adv, r, width)
+        record = backend.records[0]
+        results[tp] = dict(_errors(value, eager, ref, logits.grad, eager_logits.grad, ref_grad),
+                           sites=[(s.kind, s.tp_size) for s in record.sites], fallback=record.fallback_reason,
+                           rejected=[c.reason for c in record.rejected], log=log)
     return results
 
 
@@ -496,40 +507,32 @@ def _smoothed_rows_reference(full, target, smoothing, rank, width, weights):
 
 
 def _smoothed_parity(rank, world):
-    from megatron.core import parallel_state
-
     results = {}
-    for tp in (1, world):
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        try:
-            width = WIDTH[tp]
-            for smoothing in (0.1, 0.3):
-                g = torch.Generator().manual_seed(11)
-                full = torch.randn(T, tp * width, generator=g, dtype=torch.float64) * 3 + 10
-                target = torch.randint(0, tp * width, (T,), generator=g)
-                weights = torch.rand(T, generator=g, dtype=torch.float64)
-                r = rank % tp
-                local = full[:, r * width:(r + 1) * width].float()
-                eager_logits = local.clone().requires_grad_()
-                eager = _smoothed(eager_logits, target, smoothing)
-                (eager * weights.float()).sum().backward()
-                torch._dynamo.reset()
-                backend = graphpass.Backend(inner="aot_eager", chunk_size=5)
-                logits = local.clone().requires_grad_()
-                with collectives() as forward_log:
-                    value = torch.compile(_smoothed, backend=backend)(logits, target, smoothing)
-                with collectives() as backward_log:
-                    (value * weights.float()).sum().backward()
-                ref, ref_grad = _smoothed_rows_reference(full, target, smoothing, r, width, weights)
-                record = backend.records[0]
-                results[tp, smoothing] = dict(
-                    value_vs_eager=_err(value, eager), grad_vs_eager=_err(logits.grad, eager_logits.grad),
-                    value_vs_ref=_err(value, ref), eager_vs_ref=_err(eager, ref),
-                    grad_vs_ref=_err(logits.grad, ref_grad), eager_grad_vs_ref=_err(eager_logits.grad, ref_grad),
-                    sites=[(s.kind, s.tp_size, s.lm_head) for s in record.sites], fallback=record.fallback_reason,
-                    rejected=[c.reason for c in record.rejected], forward_log=forward_log, backward_log=backward_log)
-        finally:
-            parallel_state.destroy_model_parallel()
+    for tp in _at_each_tp_size(world):
+        width = WIDTH[tp]
+        for smoothing in (0.1, 0.3):
+            g = torch.Generator().manual_seed(11)
+            full = torch.randn(T, tp * width, generator=g, dtype=torch.float64) * 3 + 10
+            target = torch.randint(0, tp * width, (T,), generator=g)
+            weights = torch.rand(T, generator=g, dtype=torch.float64)
+            r = rank % tp
+            local = full[:, r * width:(r + 1) * width].float()
+            eager_logits = local.clone().requires_grad_()
+            eager = _smoothed(eager_logits, target, smoothing)
+            (eager * weights.float()).sum().backward()
+            torch._dynamo.reset()
+            backend = graphpass.Backend(inner="aot_eager", chunk_size=5)
+            logits = local.clone().requires_grad_()
+            with collectives() as forward_log:
+                value = torch.compile(_smoothed, backend=backend)(logits, target, smoothing)
+            with collectives() as backward_log:
+                (value * weights.float()).sum().backward()
+            ref, ref_grad = _smoothed_rows_reference(full, target, smoothing, r, width, weights)
+            record = backend.records[0]
+            results[tp, smoothing] = dict(
+                _errors(value, eager, ref, logits.grad, eager_logits.grad, ref_grad),
+                sites=[(s.kind, s.tp_size, s.lm_head) for s in record.sites], fallback=record.fallback_reason,
+                rejected=[c.reason for c in record.rejected], forward_log=forward_log, backward_log=backward_log)
     return results
 
 
