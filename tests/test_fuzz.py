@@ -115,6 +115,14 @@ def test_known_rounding_case_is_within_the_decomposed_graphs_error():
     assert run.check_seed(10025, inner="eager").mismatch is None
 
 
+@pytest.mark.parametrize("seed", [405, 814])
+def test_a_temperature_gradient_through_a_max_shift_is_as_accurate_as_eager(seed):
+    # `x - amax(x)` written out, a per-token temperature with a gradient: outside the region
+    # (405: 3 x eager's error when the max shift's gradient read the forward's sum) and inside it
+    # (814: 6 x when that sum alone kept the backward's terms). `graphpass.ops.row_sums`.
+    assert run.check_seed(seed, inner="eager").mismatch is None
+
+
 def test_programs_are_determined_by_their_seed_and_run_eagerly():
     # Every generated program is valid code whose eager run and float64 reference succeed
     # (forward and backward) with finite gradients: a mismatch is never the generator's fault.

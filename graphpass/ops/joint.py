@@ -124,7 +124,7 @@ class JointSplit:
             # Functional (the decompositions' in-place ops removed), so that rewriting the row
             # sums and merging common subexpressions may read any node's value anywhere.
             traced = _torch_api.trace_decomposed(torch.func.functionalize(joint), primals + cotangents)
-            if row_sums.factor_row_sums(traced):
+            if row_sums.factor_row_sums(traced, gradients=len(cotangents)):
                 traced = _torch_api.trace_decomposed(traced, primals + cotangents)  # example values
         _torch_api.check_no_guards_on(fake_mode, rows)
         return traced

@@ -50,18 +50,21 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ROW_SUM = aten.sum.dim_IntList
 
 
-def factor_row_sums(gm: torch.fx.GraphModule) -> bool:
+def factor_row_sums(gm: torch.fx.GraphModule, gradients: int = 0) -> bool:
     """Rewrite each last-dim sum of `gm` whose summand has a factorable row constant; merge the
-    common subexpressions this makes. True if the graph changed (its new nodes lack example values)."""
+    common subexpressions this makes. True if the graph changed (its new nodes lack example values).
+
+    `gm`'s last `gradients` inputs are the gradients of a joint's outputs. Where the joint takes the
+    gradient of a max shift (`_max_shift_gradients`), the sums that read them stay as written."""
     graph = gm.graph
     if any(_mutates(node) for node in graph.nodes):
         return False  # its values are not functions of its nodes (see `merge_common_subexpressions`)
     after_sum = _DependsOnRowSum()
     sources = _WideSources()
     changed = False
-    shift_gradients = _max_shift_gradients(graph)
+    backward = _backward_nodes(graph, gradients) if _max_shift_gradients(graph) else set()
     for node in list(graph.nodes):
-        if not _is_row_sum(node) or node.meta["val"].dtype in _LOW_PRECISION or node in shift_gradients:
+        if not _is_row_sum(node) or node.meta["val"].dtype in _LOW_PRECISION or node in backward:
             continue
         summand = node.args[0]
         width = summand.meta["val"].shape[-1]
@@ -84,6 +87,16 @@ def factor_row_sums(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+def _backward_nodes(graph: torch.fx.Graph, gradients: int) -> set:
+    """The nodes that read one of the graph's last `gradients` inputs (a joint's backward)."""
+    inputs = list(graph.find_nodes(op="placeholder"))
+    found = set(inputs[len(inputs) - gradients:]) if gradients else set()
+    for node in graph.nodes:
+        if any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def _max_shift_gradients(graph: torch.fx.Graph) -> set:
     """The row sums that make the gradient of a max shift (`x - amax(x)` in the user's code): the
     sum over the row of the shifted values' gradient, which the backward of `amax` adds at the max.
@@ -91,7 +104,9 @@ def _max_shift_gradients(graph: torch.fx.Graph) -> set:
     max what the row's gradient sums to, so the gradient sums to 0 and a sum of it against the
     logits (a temperature's gradient) is taken about the max. Factored, it would read the forward's
     sum, be 0 to rounding, and lose that: a per-token temperature's gradient 3 x eager's error
-    (seed 405 of `bench.fuzz`). It stays a sum of the backward's own terms."""
+    (seed 405 of `bench.fuzz`). Such a backward keeps every sum as written, as eager computes them:
+    kept alone, its compensation would be added to the other sums' factored (exactly normalised)
+    terms and count twice (6 x eager's error in a temperature's gradient, seed 814)."""
     found, todo = set(), []
     for node in graph.nodes:
         if node.op != "call_function":
