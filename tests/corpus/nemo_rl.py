@@ -222,7 +222,7 @@ CASES = [
          "nemo_rl/distributed/model_utils.py:DistributedLogprob (autograd.Function, tp=1, no_grad "
          "log-softmax in forward), _compute_distributed_log_softmax; loss_functions.py:ClippedPGLossFn "
          "(sequence_level_importance_ratios)",
-         distributed_logprob_gspo, gspo_inputs, choices([()]), grad_kinds=()),
+         distributed_logprob_gspo, gspo_inputs, (("logprob",),)),
     Case("nemo_rl_top_k_function_and_unfiltered_kl", "NeMo-RL",
          "nemo_rl/algorithms/logits_sampling_utils.py:_ApplyTopKTopP (autograd.Function, filtering under "
          "no_grad, masked backward), _apply_top_k_only_fn; nemo_rl/algorithms/loss/utils.py:prepare_loss_input "
