@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Case, choices, gen, logits_leaf, near_logp, randn, response_mask, seq_offset, tokens
+from . import Case, gen, logits_leaf, near_logp, randn, response_mask, seq_offset, tokens
 
 
 def masked_mean(values, mask, dim=None, global_normalization_factor=None):
