@@ -42,7 +42,7 @@ from graphpass.fx_utils import hashable
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
 from graphpass.analysis.lm_head import METADATA_CHECKS
-from graphpass.analysis.rowlocal import slice_span
+from graphpass.analysis.rowlocal import clamp_index, slice_span
 from graphpass.records import GraphRecord
 
 from .index_rows_as_gather import index_rows_as_gather_pass
@@ -162,7 +162,7 @@ def _chain_as_cat(graph, end) -> None:
     size = buf.shape[dim]
     if not isinstance(size, int):
         return
-    spans = sorted((_clamp(s or 0, size), _clamp(e, size), v) for s, e, v in writes)
+    spans = sorted((clamp_index(s or 0, size), clamp_index(e, size), v) for s, e, v in writes)
     if [s for s, _, _ in spans] != [0] + [e for _, e, _ in spans[:-1]] or spans[-1][1] != size:
         return  # a gap or an overlap: the buffer's own values (or an earlier write) survive
     pieces = [_written_value(v) for _, _, v in spans]
@@ -250,7 +250,7 @@ def _tiled_source(pieces, dim):
         if d % source.meta["val"].ndim != dim % source.meta["val"].ndim or step != 1 or not all(
                 isinstance(v, (int, type(None))) for v in (start, stop)):
             return None
-        spans.append((_clamp(start or 0, size), _clamp(stop, size)))
+        spans.append((clamp_index(start or 0, size), clamp_index(stop, size)))
     starts, stops = [s for s, _ in spans], [e for _, e in spans]
     return source if starts == [0, *stops[:-1]] and stops[-1] == size else None
 
@@ -260,13 +260,8 @@ def _whole(node) -> bool:
     dim, start, stop, step = slice_span(node)
     size = node.args[0].meta["val"].shape[dim]
     return (step == 1 and isinstance(size, int) and isinstance(start, (int, type(None)))
-            and isinstance(stop, (int, type(None))) and _clamp(start or 0, size) == 0 and _clamp(stop, size) == size)
+            and isinstance(stop, (int, type(None))) and clamp_index(start or 0, size) == 0 and clamp_index(stop, size) == size)
 
-
-def _clamp(index, size: int) -> int:
-    if index is None:
-        return size
-    return max(0, min(index + size if index < 0 else index, size))
 
 
 def _written_value(value):
@@ -425,7 +420,7 @@ class _Loop:
         size = sizes.pop()
         rows = []
         for picks in self.picks:
-            which = {w % size if self.kind == "stack" else (_clamp(w[0] or 0, size), _clamp(w[1], size))
+            which = {w % size if self.kind == "stack" else (clamp_index(w[0] or 0, size), clamp_index(w[1], size))
                      for _, _, w in picks.values()}
             if len(which) != 1:
                 return False  # one iteration reads different rows of two sources

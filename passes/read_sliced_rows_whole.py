@@ -28,14 +28,14 @@ import torch
 import torch.fx
 
 from graphpass._torch_api import detect_fake_mode, fake_node, known_equal, same_shape
-from graphpass.analysis.rowlocal import slice_span
+from graphpass.analysis.rowlocal import clamp_index, slice_span
 
 aten = torch.ops.aten
 
 __all__ = ["read_sliced_rows_whole_pass"]
 
-#: Readers of a target's log-prob per row: (position of the index argument, what the other rows
-#: get as their index) for a reduction-free NLL or cross-entropy (their ignore index) or a gather.
+#: Readers of a target's log-prob per row, a reduction-free NLL or cross-entropy: (the position of
+#: their ignore index, its default), the index the other rows get (a gather's other rows get 0).
 _NLL = {aten.nll_loss_nd.default: (4, -100), aten.cross_entropy_loss.default: (4, -100)}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
           aten.flatten.using_ints}
@@ -76,14 +76,9 @@ def _row_slice(node, rows_of):
     if dim >= rows_of or not isinstance(val.shape[dim], int):
         return None
     size = val.shape[dim]
-    start, stop = _clamp(start or 0, size), _clamp(stop, size)
+    start, stop = clamp_index(start or 0, size), clamp_index(stop, size)
     return source, dim, start, stop
 
-
-def _clamp(index, size: int) -> int:
-    if index is None:
-        return size
-    return max(0, min(index + size if index < 0 else index, size))
 
 
 def _read_whole(graph, reader) -> bool:

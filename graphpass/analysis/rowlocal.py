@@ -126,6 +126,13 @@ def slice_span(node) -> tuple:
     return args["dim"], args["start"], args["end"], args["step"]
 
 
+def clamp_index(index, size: int) -> int:
+    """A slice bound (None: the end; negative: from the end) as the position it means in `size`."""
+    if index is None:
+        return size
+    return max(0, min(index + size if index < 0 else index, size))
+
+
 def _last_dim(dim, ndim) -> bool:
     return isinstance(dim, int) and dim % max(ndim, 1) == ndim - 1
 

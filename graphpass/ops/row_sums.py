@@ -38,7 +38,7 @@ import torch.fx
 
 from graphpass._torch_api import schema_of
 from graphpass.analysis.catalogue import is_deterministic_pointwise
-from graphpass.fx_utils import hashable
+from graphpass.fx_utils import hashable, transitive_users
 
 aten = torch.ops.aten
 
@@ -62,7 +62,9 @@ def factor_row_sums(gm: torch.fx.GraphModule, gradients: int = 0) -> bool:
     after_sum = _DependsOnRowSum()
     sources = _WideSources()
     changed = False
-    backward = _backward_nodes(graph, gradients) if _max_shift_gradients(graph) else set()
+    inputs = list(graph.find_nodes(op="placeholder"))
+    backward = (transitive_users(inputs[len(inputs) - gradients:]) if gradients and _max_shift_gradients(graph)
+                else set())
     for node in list(graph.nodes):
         if not _is_row_sum(node) or node.meta["val"].dtype in _LOW_PRECISION or node in backward:
             continue
@@ -85,16 +87,6 @@ def factor_row_sums(gm: torch.fx.GraphModule, gradients: int = 0) -> bool:
         graph.eliminate_dead_code()
         gm.recompile()
     return changed
-
-
-def _backward_nodes(graph: torch.fx.Graph, gradients: int) -> set:
-    """The nodes that read one of the graph's last `gradients` inputs (a joint's backward)."""
-    inputs = list(graph.find_nodes(op="placeholder"))
-    found = set(inputs[len(inputs) - gradients:]) if gradients else set()
-    for node in graph.nodes:
-        if any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found
 
 
 def _max_shift_gradients(graph: torch.fx.Graph) -> set:
