@@ -44,6 +44,8 @@ def test_parity(name, dtype):
 
 @pytest.mark.parametrize("name,dtype", PARAMS)
 def test_coverage(name, dtype):
+    """The library cases are the recipes of docs/frameworks/slime.md and docs/frameworks/openrlhf.md (compile the
+    library's loss function with graphpass): each case's sites are one of the acceptable answers."""
     r = run_case(name, dtype)
     assert r.coverage_ok, _problems(r, r.coverage_problems)
 

@@ -120,7 +120,8 @@ def _three_runs(fn, compiled, logits, ids):
 def test_a_symbolic_vocabulary_is_rewritten(fn, inner):
     """Compiled as the frameworks compile them (`dynamic=True`): one graph with symbolic rows and
     vocabulary, one site in it, and every vocabulary and row count after that as accurate as eager
-    (`bench.fuzz`'s rule: value and gradient against float64)."""
+    (`bench.fuzz`'s rule: value and gradient against float64). verl's case is the first recipe of
+    docs/frameworks/verl.md."""
     from bench.fuzz import run as fuzz
 
     torch.compiler.reset()

@@ -170,6 +170,7 @@ _SPAWNS = {world: spawned.once(_all_cases, world, 300) for world in (1, 2)}
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_lm_head_function_becomes_the_product_and_one_fused_op(world):
+    """docs/frameworks/nemo-rl.md's recipe: NeMo-RL's loss code over its hidden-states Function, compiled."""
     per_rank = _SPAWNS[world]()
     for index, (layout, flaw, dtype) in enumerate(CASES):
         if flaw != "none":

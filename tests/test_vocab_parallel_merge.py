@@ -366,6 +366,7 @@ def test_values_and_gradients_match_eager_and_one_device(index):
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
 def test_ops_over_the_same_logits_merge_into_one_site_or_say_why_not(index):
+    """docs/frameworks/verl.md's Megatron actor recipe: megatron-core's loss beside verl's entropy Function."""
     code, dtype, temperature, inner, n_sites, why = CASES[index]
     for rank, result in enumerate(_spawned()):
         r = result["cases"][index]

@@ -76,6 +76,7 @@ def test_unregistered_function_is_kept_with_the_reason():
 
 
 def test_registered_stand_in_fuses_the_lm_head():
+    """The second recipe of docs/frameworks/own-kernels.md: register the plain math, check it, compile."""
     function = _own_class()
     assert substitute_in_graph(function)(plain_math) is plain_math
     inputs = _inputs()

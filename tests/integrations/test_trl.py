@@ -131,6 +131,7 @@ def _train(backend, tmp_path):
 
 
 def test_grpo_trainer_default_path(tmp_path):
+    """docs/frameworks/trl.md's recipe: GRPOTrainer with its log-prob method compiled, against eager."""
     eager_losses, eager_params = _train(None, tmp_path)
     backend = graphpass.Backend()  # what backend="graphpass" runs, with its records kept
     losses, params = _train(backend, tmp_path)

@@ -74,6 +74,7 @@ def _err(a, b) -> float:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("which", [(True, True), (True, False)], ids=["both", "log-probs"])
 def test_stand_in_matches_verl_function(shape, temperature, which):
+    """docs/frameworks/verl.md's fused-kernels recipe: the stand-in for verl's Function, compiled."""
     assert verl_integration.register_for(torch_functional)
     expected, expected_grads = _run(_call, shape, temperature, which)
     backend = graphpass.Backend(inner="aot_eager")
