@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: What each environment runs: the paths every torch version must keep working.
 SUBSET = [
-    "tests/test_capture.py",
+    "tests/analysis/test_capture.py",
     "tests/passes",
     "tests/integrations",
-    "tests/test_vocab_parallel_functions.py",
-    "tests/test_examples.py",
+    "tests/tensor_parallel/test_vocab_parallel_functions.py",
+    "tests/end_to_end/test_examples.py",
 ]
 
 
@@ -55,7 +55,7 @@ ENVIRONMENTS = [
     Environment("torch 2.15.0", "3.11", ("torch==2.15.0",)),  # the newest release
     # megatron-core >= 0.17 requires Python 3.12: its own loss and output layer code.
     Environment("python 3.12, megatron-core 0.19", "3.12", ("torch==2.13.0", "megatron-core>=0.19,<0.20"),
-                tuple(SUBSET) + ("tests/test_megatron_output_layer.py",)),
+                tuple(SUBSET) + ("tests/tensor_parallel/test_megatron_output_layer.py",)),
 ]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Triton kernels the tests make run in Triton's interpreter, on CPU tensors (tests/test_kernels.py):
+# Triton kernels the tests make run in Triton's interpreter, on CPU tensors (tests/ops/test_kernels.py):
 # read when Triton is imported, which importing graphpass does, so before anything imports it.
 # Nothing else in the tests runs Triton (inductor compiles C++ on the CPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -51,6 +51,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
+def mixed_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest |got - want| relative to max(1, |want|), elementwise, in float64 (0 for empty tensors):
+    absolute for small values, relative for large ones."""
+    if got.numel() == 0:
+        return 0.0
+    got, want = got.double(), want.double()
+    return ((got - want).abs() / want.abs().clamp_min(1)).max().item()
+
+
 @dataclasses.dataclass
 class ThreeWays:
     """One function's values and input gradients run three ways."""

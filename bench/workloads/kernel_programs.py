@@ -1,4 +1,4 @@
-"""Row-local programs as graphpass extracts them, for the generated kernels' tests (tests/test_kernels.py)
+"""Row-local programs as graphpass extracts them, for the generated kernels' tests (tests/ops/test_kernels.py)
 and benchmark (`bench.gpu_kernels`).
 
 Each is a module computing in `compute` (fp32 for the program, float64 for the reference), and a

@@ -10,7 +10,7 @@ file and function it restates.
 
 A `Case` is a loss function `fn(**inputs) -> tuple[Tensor, ...]` (the first element is the
 scalar loss backward runs on; the rest are logged statistics), an input builder, and the sites a
-correct graphpass must rewrite in it. `tests/test_corpus.py` checks every case (parity with eager
+correct graphpass must rewrite in it. `tests/end_to_end/test_corpus.py` checks every case (parity with eager
 and coverage separately); `python -m tests.corpus` prints the table.
 """
 

@@ -2,7 +2,7 @@
 
 A group of one still has padding rows (the zigzag layout pads each sequence to a multiple of 2),
 so the local reductions must leave them out exactly as across ranks; the multi-process parity is
-in tests/test_cp.py. Every case compares the value and every input's gradient with eager.
+in tests/context_parallel/test_cp.py. Every case compares the value and every input's gradient with eager.
 """
 
 from __future__ import annotations

@@ -19,13 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
+from helpers import mixed_error  # tests/ is on sys.path
 
 T, V, H = 12, 40, 16
-
-
-def _err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs() / b.abs().clamp_min(1)).max().item() if a.numel() else 0.0
 
 
 # ---- Functions whose backward is right ------------------------------------------------------------
@@ -185,8 +181,8 @@ def test_a_function_whose_backward_is_the_gradient_becomes_one_site(case):
     assert [s.replaced_function is not None for s in record.sites] == [True], (record.sites, record.rejected)
     # As close to the float64 math as eager's Function (slime's upcast rounds float64 to float32).
     tolerance = {torch.float64: 1e-12, torch.bfloat16: 1e-3}[dtype]
-    assert _err(value, want) <= 2 * _err(eager, want) + tolerance
-    assert _err(x.grad, exact.grad) <= 2 * _err(eager_x.grad, exact.grad) + tolerance
+    assert mixed_error(value, want) <= 2 * mixed_error(eager, want) + tolerance
+    assert mixed_error(x.grad, exact.grad) <= 2 * mixed_error(eager_x.grad, exact.grad) + tolerance
 
 
 def test_the_lm_head_before_a_checked_function_is_fused():
@@ -213,9 +209,9 @@ def test_the_lm_head_before_a_checked_function_is_fused():
     value.backward()
     assert len(record.sites) == 1 and record.sites[0].lm_head, (record.sites, record.rejected)
     # As close to the float64 math as eager's Function (whose upcast rounds to float32).
-    assert _err(value, want) <= 2 * _err(got_eager, want) + 1e-12
+    assert mixed_error(value, want) <= 2 * mixed_error(got_eager, want) + 1e-12
     for got, ref, exact_t in zip(compiled, eager, exact):
-        assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-12
+        assert mixed_error(got.grad, exact_t.grad) <= 2 * mixed_error(ref.grad, exact_t.grad) + 1e-12
 
 
 @pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "temperature forgotten", "straight-through",
@@ -237,9 +233,9 @@ def test_a_backward_that_is_not_the_gradient_is_kept_with_its_reason(flaw):
     value, record = _compile(fn, *compiled)
     value.backward()
     # Whatever graphpass decides, the user's gradients are eager's: their backward, as written.
-    assert _err(value, want) <= 1e-12
+    assert mixed_error(value, want) <= 1e-12
     for got, ref in zip(compiled, eager):
-        assert _err(got.grad, ref.grad) <= 1e-12
+        assert mixed_error(got.grad, ref.grad) <= 1e-12
     reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
     if flaw == "none":
         assert [s.replaced_function is not None for s in record.sites] == [True] and reasons == [], record
@@ -264,7 +260,7 @@ def test_under_inductor_too():
     fn(eager_x).backward()
     value, record = _compile(fn, compiled_x, inner="inductor")
     value.backward()
-    assert len(record.sites) == 1 and _err(compiled_x.grad, eager_x.grad) <= 1e-5
+    assert len(record.sites) == 1 and mixed_error(compiled_x.grad, eager_x.grad) <= 1e-5
 
 
 class _Linear(torch.autograd.Function):
@@ -435,11 +431,11 @@ def test_a_chunk_loop_over_rows_is_read_as_one_computation(flaw, chunk):
     if flaw == "none":
         assert [s.replaced_function is not None for s in record.sites] == [True] and reasons == [], record
         # The Function rounds to float32 inside; the plain math graphpass runs does not.
-        assert _err(value, want) <= 1e-12 and _err(x.grad, exact.grad) <= 1e-12
+        assert mixed_error(value, want) <= 1e-12 and mixed_error(x.grad, exact.grad) <= 1e-12
         return
     # Kept: the user's backward, as written.
     assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
-    assert _err(value, eager) <= 1e-12 and _err(x.grad, eager_x.grad) <= 1e-12
+    assert mixed_error(value, eager) <= 1e-12 and mixed_error(x.grad, eager_x.grad) <= 1e-12
     expected = "not the gradient of its forward's math" if flaw == "entropy gradient dropped" or chunk == T \
         else "not row by row"
     assert expected in reasons[0], reasons[0]
@@ -508,10 +504,10 @@ def test_an_online_log_sum_exp_over_vocabulary_blocks_is_read_as_the_log_softmax
     if flaw == "none" or (flaw == "sum not rescaled" and block == V):  # one block: nothing to rescale
         assert [(s.replaced_function is not None, s.kind) for s in record.sites] == [(True, "logprob+entropy")] \
             and reasons == [], record
-        assert _err(value, want) <= 1e-12 and _err(x.grad, exact.grad) <= 1e-12
+        assert mixed_error(value, want) <= 1e-12 and mixed_error(x.grad, exact.grad) <= 1e-12
         return
     assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
-    assert _err(value, eager) <= 1e-12 and _err(x.grad, eager_x.grad) <= 1e-12
+    assert mixed_error(value, eager) <= 1e-12 and mixed_error(x.grad, eager_x.grad) <= 1e-12
     expected = {"sum not rescaled": "is not a log-prob or an entropy",
                 "entropy gradient dropped": "not the gradient of its forward's math"}[flaw]
     assert expected in reasons[0], reasons[0]
@@ -539,7 +535,7 @@ def test_a_log_normaliser_that_is_no_log_prob_is_kept_with_its_reason():
     reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
     assert record.sites == [] and len(reasons) == 1 and "logsumexp" in reasons[0] and \
         "is not a log-prob or an entropy" in reasons[0], (record.sites, record.rejected)
-    assert _err(x.grad, torch.softmax(x.detach(), -1) * torch.arange(T)[:, None]) <= 1e-12
+    assert mixed_error(x.grad, torch.softmax(x.detach(), -1) * torch.arange(T)[:, None]) <= 1e-12
 
 
 class _VocabParallelWithoutGroup(torch.autograd.Function):
@@ -578,7 +574,7 @@ def test_a_vocab_parallel_function_run_without_a_group_is_the_vocab_parallel_op_
     eager = x.detach().clone().requires_grad_()
     want = _VocabParallelWithoutGroup.apply(eager, target).sum()
     want.backward()
-    assert _err(value, want) <= 1e-12 and _err(x.grad, eager.grad) <= 1e-12
+    assert mixed_error(value, want) <= 1e-12 and mixed_error(x.grad, eager.grad) <= 1e-12
     target[0] = -100  # outside the columns: eager's log-prob is meaningless there, the op says so
     with pytest.raises(ValueError, match="outside the vocabulary"):
         _compile(lambda logits, t: _VocabParallelWithoutGroup.apply(logits, t).sum(), x, target)
@@ -645,14 +641,14 @@ def test_a_function_with_the_output_layer_inside_is_read_at_its_logits(flaw, chu
     if flaw == "none":
         assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)] and \
             reasons == [], (record.sites, record.rejected)
-        assert _err(value, want) <= 1e-12
+        assert mixed_error(value, want) <= 1e-12
         for got, exact_t in zip(compiled, exact):
-            assert _err(got.grad, exact_t.grad) <= 1e-12
+            assert mixed_error(got.grad, exact_t.grad) <= 1e-12
         return
     assert record.sites == [] and len(reasons) == 1, (record.sites, record.rejected)
-    assert _err(value, got_eager) <= 1e-12
+    assert mixed_error(value, got_eager) <= 1e-12
     for got, ref in zip(compiled, eager):
-        assert _err(got.grad, ref.grad) <= 1e-12
+        assert mixed_error(got.grad, ref.grad) <= 1e-12
     expected = {"entropy gradient dropped": "is not the gradient of its forward's math",
                 "temperature forgotten in dW": "multiplies different values"}[flaw]
     assert "output layer's product" in reasons[0] and expected in reasons[0], reasons[0]
@@ -702,9 +698,9 @@ def test_an_output_layer_with_a_bias_is_read_at_its_logits(spelling, flaw):
     value, record = _compile(fn, *compiled)
     value.backward()
     assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)], record
-    assert _err(value, fn(*tensors)) <= 1e-12
+    assert mixed_error(value, fn(*tensors)) <= 1e-12
     for got, ref in zip(compiled, eager):
-        assert (got.grad is None) == (ref.grad is None) and (ref.grad is None or _err(got.grad, ref.grad) <= 1e-12)
+        assert (got.grad is None) == (ref.grad is None) and (ref.grad is None or mixed_error(got.grad, ref.grad) <= 1e-12)
 
 
 def test_a_bias_gradient_that_is_not_the_row_sum_keeps_the_function():
@@ -717,7 +713,7 @@ def test_a_bias_gradient_that_is_not_the_row_sum_keeps_the_function():
     assert record.sites == [] and len(reasons) == 1 and "the bias's gradients" in reasons[0] and \
         "substitute_in_graph" in reasons[0], record
     for got, ref in zip(compiled, eager):  # the Function ran as written, its halved bias gradient too
-        assert _err(got.grad, ref.grad) <= 1e-12
+        assert mixed_error(got.grad, ref.grad) <= 1e-12
 
 
 class _HeadInVocabularyBlocks(torch.autograd.Function):
@@ -812,14 +808,14 @@ def test_an_output_layer_in_vocabulary_blocks_is_read_as_one_product(block, flaw
     if flaw == "none":
         assert [(s.replaced_function is not None, s.lm_head, s.kind) for s in record.sites] == \
             [(True, True, "logprob+entropy")] and reasons == [], record
-        assert _err(value, want) <= 1e-12
+        assert mixed_error(value, want) <= 1e-12
         for got, exact_t in zip(compiled, exact):
-            assert _err(got.grad, exact_t.grad) <= 1e-12
+            assert mixed_error(got.grad, exact_t.grad) <= 1e-12
         return
     assert not any(s.replaced_function for s in record.sites) and len(reasons) == 1, record
-    assert _err(value, got_eager) <= 1e-12
+    assert mixed_error(value, got_eager) <= 1e-12
     for got, ref in zip(compiled, eager):
-        assert _err(got.grad, ref.grad) <= 1e-12
+        assert mixed_error(got.grad, ref.grad) <= 1e-12
     expected = "not the gradient of its forward's math" if flaw == "entropy gradient dropped" else \
         "the weight's gradient"
     assert expected in reasons[0], reasons[0]
@@ -841,7 +837,7 @@ def test_an_output_layer_in_vocabulary_blocks_in_bf16_is_as_close_to_float64_as_
     value.backward()
     assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)], record
     for got, ref, exact_t in zip(compiled, eager, exact):
-        assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-2
+        assert mixed_error(got.grad, exact_t.grad) <= 2 * mixed_error(ref.grad, exact_t.grad) + 1e-2
 
 
 class _UpcastBlocks(torch.autograd.Function):
@@ -885,7 +881,7 @@ def test_vocabulary_blocks_inside_chunks_of_rows_keep_the_function_with_the_reas
     assert not any(s.replaced_function for s in record.sites) and len(reasons) == 1 and \
         "chunks of the hidden states' rows" in reasons[0] and "substitute_in_graph" in reasons[0], record
     for got, ref in zip(compiled, eager):
-        assert _err(got.grad, ref.grad) <= 1e-12
+        assert mixed_error(got.grad, ref.grad) <= 1e-12
 
 
 class _HeadTransposed(torch.autograd.Function):
@@ -925,6 +921,6 @@ def test_an_output_layer_stored_transposed_is_read_too():
     value.backward()
     assert [(s.replaced_function is not None, s.lm_head) for s in record.sites] == [(True, True)], record
     # As close to the float64 math as eager's Function (whose upcast rounds to float32).
-    assert _err(value, want) <= 2 * _err(got_eager, want) + 1e-12
+    assert mixed_error(value, want) <= 2 * mixed_error(got_eager, want) + 1e-12
     for got, ref, exact_t in zip(compiled, eager, exact):
-        assert _err(got.grad, exact_t.grad) <= 2 * _err(ref.grad, exact_t.grad) + 1e-12
+        assert mixed_error(got.grad, exact_t.grad) <= 2 * mixed_error(ref.grad, exact_t.grad) + 1e-12

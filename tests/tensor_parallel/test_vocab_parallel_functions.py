@@ -12,7 +12,7 @@ with the reason recorded. megatron-core's label-smoothed loss (each rank's diffe
 log-probs over its own slice) becomes the op with its slice mean of the log-probs, at TP=1 and 2,
 label smoothing 0.1 and 0.3, against megatron-core itself and float64, alone, beside a fused one, and
 on ranks that differ in grad mode (Dynamo inlines its forward on one: the same one all-gather).
-(One-device Functions, no collective at all: tests/test_hand_written_functions.py.)
+(One-device Functions, no collective at all: tests/passes/test_replace_hand_written_functions.py.)
 
 One spawn per group size runs every case (`_spawned`): each spawn costs seconds.
 """
@@ -31,6 +31,7 @@ from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
 from bench.workloads.tp_losses import (megatron_fused_logprob, megatron_logprob, ppo_loss, slime_style_logprob_entropy,
+from helpers import mixed_error  # tests/ is on sys.path
                                        verl_style_entropy)
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
@@ -44,11 +45,6 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 2e-2}
 def _reference(full, target, temperature):
     logp = (full / temperature).log_softmax(-1)
     return logp.gather(1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
-
-
-def _err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs() / b.abs().clamp_min(1)).max().item() if a.numel() else 0.0
 
 
 # ---- Functions that are almost right (each must stay as it is) -----------------------------------
@@ -230,9 +226,9 @@ def _case(rank, world, code, kw, dtype):
     ref.backward()
     record = backend.records[0]
     return dict(
-        value_vs_eager=_err(value, eager), grad_vs_eager=_err(logits.grad, eager_logits.grad),
-        value_vs_ref=_err(value, ref), grad_vs_ref=_err(logits.grad, ref_full.grad[:, rank * width:(rank + 1) * width]),
-        eager_vs_ref=_err(eager, ref), eager_grad_vs_ref=_err(eager_logits.grad,
+        value_vs_eager=mixed_error(value, eager), grad_vs_eager=mixed_error(logits.grad, eager_logits.grad),
+        value_vs_ref=mixed_error(value, ref), grad_vs_ref=mixed_error(logits.grad, ref_full.grad[:, rank * width:(rank + 1) * width]),
+        eager_vs_ref=mixed_error(eager, ref), eager_grad_vs_ref=mixed_error(eager_logits.grad,
                                                             ref_full.grad[:, rank * width:(rank + 1) * width]),
         sites=[(s.kind, s.tp_size, s.group, [(c.op, c.group_size, c.bytes) for c in s.collectives],
                 [o.keeps_grad for o in s.outputs]) for s in record.sites],
@@ -340,7 +336,6 @@ def test_a_function_with_different_math_stays_as_it_is(flaw):
             and any("Dynamo loses gradients" in w for w in r["warnings"])), (flaw, rank, r)
 
 
-
 def test_functional_all_reduce_code_becomes_the_op_with_its_gradient_summed_over_ranks():
     cases, per_rank = _spawned(2)
     for index, case in enumerate(cases):
@@ -380,7 +375,7 @@ def _differing_ranks(rank, world, code):
         if rank == 0:
             (logprob.sum() + (0 if entropy is None else entropy.sum())).backward()
     reference, _ = _reference(full.double(), target, 1.0)
-    return log, _err(logprob, reference), [s.tp_size for r in backend.records for s in r.sites]
+    return log, mixed_error(logprob, reference), [s.tp_size for r in backend.records for s in r.sites]
 
 
 @pytest.mark.parametrize("code", ["slime", "chunked"])
@@ -435,9 +430,9 @@ def _at_each_tp_size(world):
 
 def _errors(value, eager, ref, grad, eager_grad, ref_grad) -> dict:
     """graphpass's value and gradient against eager's and float64's, and eager's against float64's."""
-    return dict(value_vs_eager=_err(value, eager), grad_vs_eager=_err(grad, eager_grad), value_vs_ref=_err(value, ref),
-                eager_vs_ref=_err(eager, ref), grad_vs_ref=_err(grad, ref_grad),
-                eager_grad_vs_ref=_err(eager_grad, ref_grad))
+    return dict(value_vs_eager=mixed_error(value, eager), grad_vs_eager=mixed_error(grad, eager_grad), value_vs_ref=mixed_error(value, ref),
+                eager_vs_ref=mixed_error(eager, ref), grad_vs_ref=mixed_error(grad, ref_grad),
+                eager_grad_vs_ref=mixed_error(eager_grad, ref_grad))
 
 
 def _kept_beside_replaced(rank, world):
@@ -591,7 +586,7 @@ def _smoothed_in_differing_grad_modes(rank, world, with_entropy):
         ref, _ = _smoothed_rows_reference(full, target, 0.3, rank, width, torch.ones(T, dtype=torch.float64))
         if with_entropy:
             ref = ref - 0.01 * _reference(full, target, 1.0)[1]
-        return log, _err(value, ref), [(s.kind, s.tp_size) for r in backend.records for s in r.sites]
+        return log, mixed_error(value, ref), [(s.kind, s.tp_size) for r in backend.records for s in r.sites]
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -20,6 +20,7 @@ from bench.harness.ranks import collectives, run_ranks
 from graphpass import _torch_api
 from graphpass.ops import vocab_parallel_logprob_entropy
 from graphpass.ops.groups import ALL_GATHER
+from helpers import mixed_error  # tests/ is on sys.path
 
 IGNORE = -100
 T = 37
@@ -51,14 +52,6 @@ def reference(full, target, *, temperature=1.0, keep=None, ignore_index=IGNORE, 
 
 def _shard(full, rank, width):
     return full[..., rank * width:(rank + 1) * width]
-
-
-def _err(a, b) -> float:
-    """Largest |a - b| relative to max(1, |b|), in float64."""
-    a, b = a.double(), b.double()
-    if a.numel() == 0:
-        return 0.0
-    return ((a - b).abs() / b.abs().clamp_min(1)).max().item()
 
 
 def _case_data(world, width, seed):
@@ -125,8 +118,8 @@ def _parity_case(rank, width, full, target, keep, entropy_mode, temperature, chu
     row = dict(dtype=dtype, keep=keep_kind, entropy=entropy_mode, temperature=temperature, chunk=chunk,
                out_dtype=logprob.dtype, grad_dtype=logits.grad.dtype,
                entropy_is_none=entropy is None, entropy_requires_grad=bool(entropy is not None and entropy.requires_grad),
-               lp=_err(logprob, ref_lp), ent=_err(entropy, ref_ent) if with_entropy else 0.0,
-               grad=_err(logits.grad, _shard(ref_full.grad, rank, width)),
+               lp=mixed_error(logprob, ref_lp), ent=mixed_error(entropy, ref_ent) if with_entropy else 0.0,
+               grad=mixed_error(logits.grad, _shard(ref_full.grad, rank, width)),
                finite=bool(torch.isfinite(logits.grad.double()).all() and torch.isfinite(logprob).all()),
                forward_log=forward_log, backward_log=backward_log)
     if dtype == torch.bfloat16:
@@ -134,8 +127,8 @@ def _parity_case(rank, width, full, target, keep, entropy_mode, temperature, chu
         eager_full = full.clone().requires_grad_()
         eager_lp, eager_ent = reference(eager_full, target, temperature=temperature, keep=keep, dtype=torch.bfloat16)
         ((eager_lp.double() * g_lp).sum() + (eager_ent.double() * g_ent).sum()).backward()
-        row.update(eager_lp=_err(eager_lp, ref_lp), eager_ent=_err(eager_ent, ref_ent),
-                   eager_grad=_err(_shard(eager_full.grad, rank, width), _shard(ref_full.grad, rank, width)))
+        row.update(eager_lp=mixed_error(eager_lp, ref_lp), eager_ent=mixed_error(eager_ent, ref_ent),
+                   eager_grad=mixed_error(_shard(eager_full.grad, rank, width), _shard(ref_full.grad, rank, width)))
     return row
 
 
@@ -161,7 +154,7 @@ def _hang_cases(rank, world, width):
         ok = None
         if ent is not None:
             ref_lp, ref_ent = reference(full[:target_.shape[0]], target_, keep=keep)
-            ok = _err(lp, ref_lp) < 1e-10 and _err(ent, ref_ent) < 1e-10
+            ok = mixed_error(lp, ref_lp) < 1e-10 and mixed_error(ent, ref_ent) < 1e-10
             if backward and logits.requires_grad:
                 with collectives() as backward_log:
                     (lp.sum() + ent.sum()).backward()
@@ -189,7 +182,7 @@ def _hang_cases(rank, world, width):
     for rows in (5, 200):
         lp, _, log = _call(_shard(big[:rows], rank, width), big_target[:rows], chunk_size=3)
         ref_lp, _ = reference(big[:rows], big_target[:rows])
-        out[f"T={rows}, chunk 3"] = (log, _err(lp, ref_lp) < 1e-10)
+        out[f"T={rows}, chunk 3"] = (log, mixed_error(lp, ref_lp) < 1e-10)
     # Bad token ids: every rank raises after the one collective, with the same message.
     bad = target.clone()
     bad[5] = vocab
@@ -202,7 +195,7 @@ def _hang_cases(rank, world, width):
     local_target = torch.where(target == IGNORE, IGNORE, target.remainder(width))
     lp, ent, log = _call(shard.clone(), local_target, single, with_entropy=True)
     ref_lp, ref_ent = reference(shard, local_target)
-    out["group of one"] = (log, _err(lp, ref_lp) < 1e-10 and _err(ent, ref_ent) < 1e-10)
+    out["group of one"] = (log, mixed_error(lp, ref_lp) < 1e-10 and mixed_error(ent, ref_ent) < 1e-10)
     return out
 
 
@@ -363,7 +356,7 @@ def _megatron(rank, world, width):
             # It writes into its input: hand it a copy.
             loss = tensor_parallel.vocab_parallel_cross_entropy(theirs.clone(), target)
         (-loss * weight).sum().backward()
-        return _err(logprob, -loss), _err(ours.grad, theirs.grad), ours_log, theirs_log
+        return mixed_error(logprob, -loss), mixed_error(ours.grad, theirs.grad), ours_log, theirs_log
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -388,8 +381,8 @@ def test_single_process_without_torch_distributed():
     ref_full = full.clone().requires_grad_()
     ref_lp, ref_ent = reference(ref_full, target, temperature=1.3, keep=keep2)
     (ref_lp.sum() + ref_ent.sum()).backward()
-    assert _err(lp, ref_lp) < 1e-10 and _err(ent, ref_ent) < 1e-10
-    assert _err(logits.grad, ref_full.grad) < 1e-10
+    assert mixed_error(lp, ref_lp) < 1e-10 and mixed_error(ent, ref_ent) < 1e-10
+    assert mixed_error(logits.grad, ref_full.grad) < 1e-10
 
 
 def test_ignore_index_is_any_id_and_no_rows_is_empty():
@@ -402,7 +395,7 @@ def test_ignore_index_is_any_id_and_no_rows_is_empty():
     ref_lp, ref_ent = reference(ref_full, target, ignore_index=5)
     ref_lp.sum().backward()
     assert lp[target == 5].eq(0).all() and logits.grad[target == 5].eq(0).all()
-    assert _err(lp, ref_lp) < 1e-10 and _err(ent, ref_ent) < 1e-10 and _err(logits.grad, ref_full.grad) < 1e-10
+    assert mixed_error(lp, ref_lp) < 1e-10 and mixed_error(ent, ref_ent) < 1e-10 and mixed_error(logits.grad, ref_full.grad) < 1e-10
     empty = torch.randn(0, 12, requires_grad=True)
     lp, ent = vocab_parallel_logprob_entropy(empty, target[:0], with_entropy=True)
     (lp.sum() + ent.sum()).backward()
@@ -415,7 +408,7 @@ def test_leading_dims_and_strided_logits():
     target = torch.randint(0, 13, (2, 6))
     lp, ent = vocab_parallel_logprob_entropy(logits, target, with_entropy=True, chunk_size=4)
     ref_lp, ref_ent = reference(logits.reshape(12, 13), target.reshape(12))
-    assert lp.shape == (2, 6) and _err(lp.reshape(12), ref_lp) < 1e-10 and _err(ent.reshape(12), ref_ent) < 1e-10
+    assert lp.shape == (2, 6) and mixed_error(lp.reshape(12), ref_lp) < 1e-10 and mixed_error(ent.reshape(12), ref_ent) < 1e-10
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

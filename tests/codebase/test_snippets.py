@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from snippets import PAGES, ROOT, ranks, script, snippets  # tests/docs/ is on sys.path
+from snippets import PAGES, ROOT, ranks, script, snippets  # a sibling: pytest puts this folder on sys.path
 
 pytestmark = pytest.mark.heavy
 

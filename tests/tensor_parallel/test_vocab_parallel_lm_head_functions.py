@@ -25,6 +25,7 @@ from graphpass import _torch_api
 from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
+from helpers import mixed_error  # tests/ is on sys.path
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -106,11 +107,6 @@ def _loss(hidden, target, weight, first, end, group, layout, flaw):
     return -(logp * TEMPLATE[:logp.shape[1]].to(logp.dtype)).sum()
 
 
-def _err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs() / b.abs().clamp_min(1)).max().item()
-
-
 def _case(rank, world, layout, flaw, dtype):
     g = torch.Generator().manual_seed(0)
     seq, width = LOCAL_ROWS * world, VOCAB // world
@@ -141,10 +137,10 @@ def _case(rank, world, layout, flaw, dtype):
     ref.backward()
     record = backend.records[0]
     return dict(
-        value_vs_eager=_err(value, eager), value_vs_ref=_err(value, ref), eager_vs_ref=_err(eager, ref),
-        grads_vs_eager=max(_err(h.grad, eager_h.grad), _err(w.grad, eager_w.grad)),
-        grads_vs_ref=max(_err(h.grad, ref_h.grad[mine]), _err(w.grad, ref_w.grad[cols])),
-        eager_grads_vs_ref=max(_err(eager_h.grad, ref_h.grad[mine]), _err(eager_w.grad, ref_w.grad[cols])),
+        value_vs_eager=mixed_error(value, eager), value_vs_ref=mixed_error(value, ref), eager_vs_ref=mixed_error(eager, ref),
+        grads_vs_eager=max(mixed_error(h.grad, eager_h.grad), mixed_error(w.grad, eager_w.grad)),
+        grads_vs_ref=max(mixed_error(h.grad, ref_h.grad[mine]), mixed_error(w.grad, ref_w.grad[cols])),
+        eager_grads_vs_ref=max(mixed_error(eager_h.grad, ref_h.grad[mine]), mixed_error(eager_w.grad, ref_w.grad[cols])),
         sites=[(s.kind, s.tp_size, s.lm_head) for s in record.sites],
         rejected=[r.reason for r in record.rejected], fallback=record.fallback_reason, warnings=record.warnings,
         forward_log=forward_log, backward_log=backward_log)
@@ -223,7 +219,7 @@ def _differing_ranks(rank, world):
         value = torch.compile(_loss, backend=backend)(hidden, target, weight, *args)
     logp = (full_hidden.double() @ full_weight.double().T).transpose(0, 1).log_softmax(-1)
     ref = -(logp.gather(-1, target[..., None])[..., 0] * TEMPLATE[:seq]).sum()
-    return log, _err(value, ref), [(s.kind, s.lm_head) for r in backend.records for s in r.sites]
+    return log, mixed_error(value, ref), [(s.kind, s.lm_head) for r in backend.records for s in r.sites]
 
 
 def test_ranks_differing_in_grad_mode_issue_the_same_collectives():

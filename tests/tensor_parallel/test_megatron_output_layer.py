@@ -30,7 +30,8 @@ import graphpass
 import spawned  # tests/ is on sys.path
 from bench.tp import profiled
 from bench.workloads.tp_losses import slime_style_logprob_entropy
-from test_vocab_parallel_lm_head import TOLERANCE, _err, _masked_ppo  # tests/ is on sys.path (also in the ranks)
+from helpers import mixed_error  # tests/ is on sys.path
+from test_vocab_parallel_lm_head import TOLERANCE, _masked_ppo  # a sibling: pytest puts this folder on sys.path (also in the ranks)
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -199,7 +200,7 @@ def _case(rank, loss, dtype, sequence_parallel, with_bias, variant, inner):
 def _max_err(value, grads, ref_value, ref_grads) -> float:
     """The largest error of the loss and of every gradient; the same gradients must be None."""
     assert [g is None for g in grads] == [g is None for g in ref_grads], (grads, ref_grads)
-    return max([_err(value, ref_value)] + [_err(a, b) for a, b in zip(grads, ref_grads) if a is not None])
+    return max([mixed_error(value, ref_value)] + [mixed_error(a, b) for a, b in zip(grads, ref_grads) if a is not None])
 
 
 def _outside(rank, spelling):
@@ -241,7 +242,7 @@ def _grad_modes(rank, modes, gradients_in_forward):
             state["loss"] = fn(hidden.clone().requires_grad_(), target, old, adv, mask)
 
     issued = profiled(forward)
-    return issued, _err(state["loss"], _reference("slime", data, False, "")[0])
+    return issued, mixed_error(state["loss"], _reference("slime", data, False, "")[0])
 
 
 # (grad mode per rank, gradients_in_forward): without grad on every rank, the op's blocks; ranks in

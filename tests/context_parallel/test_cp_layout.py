@@ -2,7 +2,7 @@
 
 The tables are checked against a direct reading of each layout's definition for every rank of
 cp = 1..4 (a table does not need the group, only its size); the multi-process behaviour is in
-tests/test_cp.py.
+tests/context_parallel/test_cp.py.
 """
 
 from __future__ import annotations

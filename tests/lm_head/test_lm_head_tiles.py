@@ -26,7 +26,7 @@ from graphpass.ops import chunked_op
 from graphpass.ops import lm_head
 from graphpass.ops.lm_head import LinearHeadProgram
 from graphpass.ops.joint import NotTileable, on_column_tile
-from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
+from test_lm_head import _batch as lm_head_batch  # a sibling: pytest puts this folder on sys.path
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -94,7 +94,7 @@ def token_masked(hidden, weight, tokens, old_logp, adv, mask, allowed):
 
 
 def _batch(dtype, *, rows=T, vocab=V, weight_shape=None, bias=False):
-    """tests/test_lm_head.py's batch at these sizes, the sampled tokens off the masked entries
+    """tests/lm_head/test_lm_head.py's batch at these sizes, the sampled tokens off the masked entries
     and the old log-probs near this vocabulary's."""
     tensors = lm_head_batch(rows, dtype=dtype, hidden_size=H, vocab=vocab, bias=bias, weight_shape=weight_shape)
     tensors[2] %= vocab - 7

@@ -74,7 +74,7 @@ def test_the_fork_server_never_touches_cuda():
     from pathlib import Path
 
     done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[] []", done.stdout
 

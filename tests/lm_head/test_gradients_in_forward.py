@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from test_lm_head import _batch as lm_head_batch  # tests/ is on sys.path (pytest's rootdir conftest import mode)
+from test_lm_head import _batch as lm_head_batch  # a sibling: pytest puts this folder on sys.path
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

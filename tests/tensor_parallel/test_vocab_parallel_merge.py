@@ -28,6 +28,7 @@ import graphpass
 import spawned  # tests/ is on sys.path
 from bench.tp import profiled
 from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
+from helpers import mixed_error  # tests/ is on sys.path
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -162,11 +163,6 @@ def _data(rank, dtype, layout="[T, V/tp]"):
     return full, local, target, target2, old, adv, mask
 
 
-def _err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs() / b.abs().clamp_min(1)).max().item()
-
-
 def _sites(backend):
     return [dict(kind=s.kind, tp_size=s.tp_size, lm_head=s.lm_head, collectives=[c.op for c in s.collectives],
                  shape=s.shape, dtype=s.dtype, temperatures=[o.temperature for o in s.outputs],
@@ -197,10 +193,10 @@ def _case(rank, code, dtype, temperature, inner, n_sites, why):
     ref = _reference_loss(code, temperature, ref_full, target, target2, old, adv, mask)
     ref.backward()
     ref_grad = ref_full.grad[:, rank * WIDTH:(rank + 1) * WIDTH]
-    return dict(vs_eager=max(_err(value, eager_value), _err(grad, eager_grad)),
-                parts_vs_ref=(_err(value, ref), _err(grad, ref_grad)),
-                vs_ref=max(_err(value, ref), _err(grad, ref_grad)),
-                eager_vs_ref=max(_err(eager_value, ref), _err(eager_grad, ref_grad)), grad_dtype=grad.dtype,
+    return dict(vs_eager=max(mixed_error(value, eager_value), mixed_error(grad, eager_grad)),
+                parts_vs_ref=(mixed_error(value, ref), mixed_error(grad, ref_grad)),
+                vs_ref=max(mixed_error(value, ref), mixed_error(grad, ref_grad)),
+                eager_vs_ref=max(mixed_error(eager_value, ref), mixed_error(eager_grad, ref_grad)), grad_dtype=grad.dtype,
                 sites=_sites(backend), rejected=[c.reason for r in backend.records for c in r.rejected],
                 fallbacks=[r.fallback_reason for r in backend.records if r.fallback_reason],
                 issued=issued, eager_issued=eager_issued)
@@ -253,8 +249,8 @@ def _head_case(rank, layer_kind, code, dtype):
     ref_grads = [ref_h.grad if layer_kind == "ColumnParallelLinear" else None, ref_w.grad[shard]]
     if ref_grads[0] is None:
         ref_grads[0] = _shard_hidden_grad(code, hidden, weight, target, target2, old, adv, mask, rank)
-    return dict(vs_eager=max([_err(value, eager_value)] + [_err(a, b) for a, b in zip(grads, eager_grads)]),
-                vs_ref=max([_err(value, ref)] + [_err(a, b) for a, b in zip(grads, ref_grads)]),
+    return dict(vs_eager=max([mixed_error(value, eager_value)] + [mixed_error(a, b) for a, b in zip(grads, eager_grads)]),
+                vs_ref=max([mixed_error(value, ref)] + [mixed_error(a, b) for a, b in zip(grads, ref_grads)]),
                 sites=_sites(backend), rejected=[c.reason for r in backend.records for c in r.rejected],
                 fallbacks=[r.fallback_reason for r in backend.records if r.fallback_reason])
 
@@ -287,7 +283,7 @@ def _differing(rank, world, code, modes):
 
     issued = profiled(step)
     ref = _reference_loss(code, 0.7, full, target, target2, old, adv, mask)
-    return issued, _err(state["loss"], ref), _sites(backend)
+    return issued, mixed_error(state["loss"], ref), _sites(backend)
 
 
 # (code, (requires_grad, grad mode) per rank). A rank whose logits do not require grad, or that runs
@@ -321,7 +317,7 @@ def _overwritten(rank):
     torch._dynamo.reset()
     backend = graphpass.Backend(inner="aot_eager")
     (value, grad), (eager_value, eager_grad) = run(torch.compile(fn, backend=backend)), run(fn)
-    return (_err(value, eager_value), _err(grad, eager_grad), [c.reason for r in backend.records for c in r.rejected],
+    return (mixed_error(value, eager_value), mixed_error(grad, eager_grad), [c.reason for r in backend.records for c in r.rejected],
             [r.fallback_reason for r in backend.records])
 
 

@@ -78,7 +78,7 @@ def test_ppo_from_hidden_fuses_the_matmul(chunk_size):
     records = _parity(ppo_from_hidden, _batch(T), backend)
     site, record = _site(records)
     assert site.lm_head and site.shape == (T, V) and site.hidden_shape == (T, H)
-    # The loss is a masked sum of per-token terms: the op takes it in (tests/test_gradients_in_forward.py).
+    # The loss is a masked sum of per-token terms: the op takes it in (tests/lm_head/test_gradients_in_forward.py).
     assert site.kind == "logprob+entropy" and site.gradients_in_forward
     assert sorted((o.kind, o.keeps_grad) for o in site.outputs) == [("entropy", True), ("logprob", True)]
     code = record.graph_module.code
@@ -268,7 +268,7 @@ def test_matmul_of_batched_weights_is_not_a_head():
 
 def test_program_hooks_keep_the_base_loop():
     """One row loop: the lm_head program overrides hooks, never the row loops (its backward adds a
-    schedule over vocabulary tiles, tests/test_lm_head_tiles.py, and hands row blocks to the base's)."""
+    schedule over vocabulary tiles, tests/lm_head/test_lm_head_tiles.py, and hands row blocks to the base's)."""
     for name in ("forward", "forward_with_gradients", "_chunks"):
         assert name not in vars(lm_head_op.LinearHeadProgram), name
 

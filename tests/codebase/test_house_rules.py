@@ -8,7 +8,7 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = sorted([*ROOT.glob("graphpass/**/*.py"), *ROOT.glob("passes/*.py")])
 # torch._dynamo and torch._inductor are torch.compile's own public-facing packages (backends
 # register with them); everything else private is reached through _torch_api.

@@ -26,7 +26,8 @@ from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 from bench.workloads.tp_losses import megatron_fused_logprob, megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
-from test_vocab_parallel_functions import _funcol_logprob  # tests/ is on sys.path (also in the ranks)
+from test_vocab_parallel_functions import _funcol_logprob  # a sibling: pytest puts this folder on sys.path (also in the ranks)
+from helpers import mixed_error  # tests/ is on sys.path
 
 T, H, WIDTH, WORLD = 12, 16, 20, 2  # rows, hidden size, V/tp, tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -143,11 +144,6 @@ def _reference(world, code, kw, spelling, with_bias, z_loss, data):
             for r in range(world)]
 
 
-def _err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs() / b.abs().clamp_min(1)).max().item() if a.numel() else 0.0
-
-
 def _site(record):
     return [dict(kind=s.kind, lm_head=s.lm_head, hidden_shape=s.hidden_shape, shape=s.shape, tp_size=s.tp_size,
                  collectives=[(c.op, c.group_size, c.bytes) for c in s.collectives]) for s in record.sites]
@@ -193,10 +189,10 @@ def _case(rank, world, code, kw, dtype, spelling, with_bias, z_loss, group=None,
     # Functional all-reduces sum each rank's (equal) loss's gradient over the ranks in backward.
     ref_h, ref_w, ref_b = [None if g is None else g * (group_world if code == "funcol" else 1) for g in ref_grads]
     return dict(
-        loss=_err(loss, ref_loss), hidden=_err(h.grad, ref_h), weight=_err(w.grad, ref_w),
-        bias=_err(b.grad, ref_b) if with_bias else 0.0,
+        loss=mixed_error(loss, ref_loss), hidden=mixed_error(h.grad, ref_h), weight=mixed_error(w.grad, ref_w),
+        bias=mixed_error(b.grad, ref_b) if with_bias else 0.0,
         grad_dtypes=[t.grad.dtype for t in (h, w, b) if t is not None],
-        vs_today=max(_err(h.grad, h2.grad), _err(w.grad, w2.grad), _err(b.grad, b2.grad) if with_bias else 0.0),
+        vs_today=max(mixed_error(h.grad, h2.grad), mixed_error(w.grad, w2.grad), mixed_error(b.grad, b2.grad) if with_bias else 0.0),
         sites=_site(record), today_sites=_site(today_backend.records[0]),
         rejected=[c.reason for c in record.rejected], fallback=record.fallback_reason,
         log=(forward_log, backward_log), today_log=(today_forward, today_backward))
@@ -221,7 +217,7 @@ def _differing(rank, world):
         if rank == 0:
             (logprob.sum() + entropy.sum()).backward()
     ref = (F.linear(hidden, weight, bias)).log_softmax(-1).gather(1, target[:, None])[:, 0]
-    return log, _err(logprob, ref), [s.lm_head for r in backend.records for s in r.sites]
+    return log, mixed_error(logprob, ref), [s.lm_head for r in backend.records for s in r.sites]
 
 
 def _memory(rank, world):
@@ -368,6 +364,6 @@ def test_op_without_torch_distributed_matches_linear_then_todays_op():
         ref_lp, ref_ent = vocab_parallel_logprob_entropy(logits, target, temperature=0.7, with_entropy=True)
         (ref_lp.sum() + 0.1 * ref_ent.sum()).backward()
         tol = TOLERANCE[dtype]
-        assert _err(lp, ref_lp) <= tol and _err(ent, ref_ent) <= tol
+        assert mixed_error(lp, ref_lp) <= tol and mixed_error(ent, ref_ent) <= tol
         for mine, theirs in zip(grads, copies):
-            assert mine.dtype == dtype and _err(mine, theirs.grad) <= tol
+            assert mine.dtype == dtype and mixed_error(mine, theirs.grad) <= tol
