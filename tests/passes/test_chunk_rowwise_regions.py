@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 import graphpass.ops.chunked_op  # noqa: F401  (registers torch.ops.graphpass)
-from graphpass.capture import capture_function
 from graphpass.config import Config
-from graphpass.records import GraphRecord
 from graphpass.passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 T, V = 7, 11
@@ -17,13 +16,9 @@ T, V = 7, 11
 def rewritten(fn, *args):
     """(graph after the pass, its placeholders, the record) for `fn`'s captured ATen graph; the
     graph's code before the pass is kept as `gm.code_before`."""
-    c = capture_function(fn, *args)
-    record = GraphRecord(index=0)
-    code_before = c.gm.code
-    gm = chunk_rowwise_regions_pass(c.gm, c.fakes, config=Config(chunk_size=3, inner="eager"), record=record)
-    gm.recompile()
-    gm.code_before = code_before
-    return gm, [n for n in gm.graph.nodes if n.op == "placeholder"], record
+    after = run_passes(fn, *args, passes=[chunk_rowwise_regions_pass], config=Config(chunk_size=3, inner="eager"))
+    after.gm.code_before = after.code_before
+    return after.gm, [n for n in after.gm.graph.nodes if n.op == "placeholder"], after.record
 
 
 def chunked_nodes(gm):

@@ -15,6 +15,7 @@ from graphpass.config import Config
 from graphpass.passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
 from graphpass.passes.expose_row_reductions import expose_row_reductions_pass
 from graphpass.records import GraphRecord
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 T, V = 7, 11
@@ -23,12 +24,8 @@ T, V = 7, 11
 def rewritten(fn, *args):
     """The captured graph of `fn` after this pass and the chunk pass."""
     torch.compiler.reset()  # every float a constant: a recompile would make it a graph input
-    c = capture_function(fn, *args)
-    config, record = Config(chunk_size=3, inner="eager"), GraphRecord(index=0)
-    gm = expose_row_reductions_pass(c.gm, c.fakes, config=config, record=record)
-    gm = chunk_rowwise_regions_pass(gm, c.fakes, config=config, record=record)
-    gm.recompile()
-    return gm
+    return run_passes(fn, *args, passes=[expose_row_reductions_pass, chunk_rowwise_regions_pass],
+                      config=Config(chunk_size=3, inner="eager")).gm
 
 
 def chunked_nodes(gm):

@@ -8,26 +8,21 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from graphpass.capture import capture_function
-from graphpass.config import Config
 from graphpass.passes.fold_row_loops import fold_row_loops_pass
 from graphpass.passes.sink_row_slices import sink_row_slices_pass
-from graphpass.records import GraphRecord
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 
 
 def folded(fn, *args):
     """`fn`'s captured graph after slice sinking and the fold, checked against eager."""
-    c = capture_function(fn, *args)
-    gm = sink_row_slices_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
-    gm = fold_row_loops_pass(gm, c.fakes, config=Config(), record=GraphRecord(index=0))
-    gm.graph.lint()
-    gm.recompile()
+    after = run_passes(fn, *args, passes=[sink_row_slices_pass, fold_row_loops_pass])
+    gm = after.gm
     # Dynamo orders (and drops unused) graph inputs its own way: match them by shape and dtype.
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     inputs = []
-    for fake in c.fakes:
+    for fake in after.fakes:
         inputs.append(next(t for t in tensors if t.shape == fake.shape and t.dtype == fake.dtype
                            and not any(t is u for u in inputs)))
     for got, want in zip(gm(*inputs), fn(*args)):

@@ -7,20 +7,15 @@ import pytest
 import torch
 
 import graphpass
-from graphpass.capture import capture_function
-from graphpass.config import Config
 from graphpass.passes.index_rows_as_gather import index_rows_as_gather_pass
-from graphpass.records import GraphRecord
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 T, V = 24, 37
 
 
 def _rewritten(fn, *args):
-    c = capture_function(fn, *args)
-    gm = index_rows_as_gather_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
-    gm.graph.lint()
-    return gm
+    return run_passes(fn, *args, passes=[index_rows_as_gather_pass]).gm
 
 
 def _indexes(gm) -> bool:

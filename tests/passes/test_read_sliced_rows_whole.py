@@ -9,10 +9,8 @@ import torch.nn.functional as F
 
 import graphpass
 from bench.fuzz import run as fuzz
-from graphpass.capture import capture_function
-from graphpass.config import Config
 from graphpass.passes.read_sliced_rows_whole import read_sliced_rows_whole_pass
-from graphpass.records import GraphRecord
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 B, S, H, V = 2, 5, 8, 33  # 2B sequences: the first B chosen, the rest rejected
@@ -62,11 +60,8 @@ def test_a_preference_chunk_is_one_site_with_its_lm_head_fused_and_eager_accurac
 
 
 def _rewritten(fn, *args):
-    c = capture_function(fn, *args)
-    gm = read_sliced_rows_whole_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
-    gm.graph.lint()
-    gm.recompile()
-    return gm, c
+    after = run_passes(fn, *args, passes=[read_sliced_rows_whole_pass])
+    return after.gm, after
 
 
 def _sliced_readers(gm) -> int:

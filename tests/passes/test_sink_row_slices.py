@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from graphpass.capture import capture_function
-from graphpass.config import Config
 from graphpass.passes.sink_row_slices import sink_row_slices_pass
-from graphpass.records import GraphRecord
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 
 
 def sunk(fn, *args):
     """`fn`'s captured ATen graph after the pass."""
-    c = capture_function(fn, *args)
-    gm = sink_row_slices_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return run_passes(fn, *args, passes=[sink_row_slices_pass]).gm
 
 
 def _first_op_reading_input(gm):

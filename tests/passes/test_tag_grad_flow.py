@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from graphpass.capture import capture_function
-from graphpass.config import Config
-from graphpass.records import GraphRecord
 from graphpass.analysis.grad_flow import grad_flows
 from graphpass.passes.tag_grad_flow import tag_grad_flow_pass
+from helpers import run_passes  # tests/ is on sys.path
 
 aten = torch.ops.aten
 
 
 def tagged(fn, *args):
     """`fn`'s captured ATen graph after the pass: {op overload: [tag of each node calling it]}."""
-    c = capture_function(fn, *args)
-    gm = tag_grad_flow_pass(c.gm, c.fakes, config=Config(), record=GraphRecord(index=0))
+    gm = run_passes(fn, *args, passes=[tag_grad_flow_pass]).gm
     tags = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
