@@ -22,12 +22,19 @@ The collectives a call issues depend only on shapes and configuration (dtype, ke
 or not, with_entropy), never on values, requires_grad or grad mode, so ranks cannot disagree
 (slime #2123 hung on exactly that). A group of size one issues none.
 
-The op with the lm_head inside is in `vocab_parallel_lm_head.py`; the differentiable all-reduce
-the vocab-parallel code needs in `collectives.py`.
+The code is shaped as `ops.chunked_op`'s: one loop over row chunks (`row_chunks`) over whatever
+gives a chunk of logits (`ShardLogits`, `RoundedQuotient`, the lm_head op's `HeadLogits`), and the
+math of a chunk in `RowStatistics` (forward) and `RowGradients` (backward); a call's configuration
+travels as one `VocabParallelArgs`.
+
+The op with the lm_head inside is in `vocab_parallel_lm_head.py`, the one computing its gradients
+in forward in `vocab_parallel_gradients.py`; the differentiable all-reduce the vocab-parallel code
+needs in `collectives.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -62,53 +69,151 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# ---- layout --------------------------------------------------------------------------------------
-def _row_blocks(logits: torch.Tensor):
-    """(row offset, 2-D `[rows, Vl]` view) blocks covering the rows of `logits` in order, without a copy.
+# ---- the call --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class VocabParallelArgs:
+    """Everything a vocab-parallel op call computes with besides its tensors, built once from the
+    custom op's flat arguments and handed whole to the forward and backward code.
 
-    One block when `logits` views as `[R, Vl]`; a strided view such as `logits[:, :-1]` of a
-    `[B, S, Vl]` tensor walks its leading dims instead (every 2-D slice of a strided tensor is a view).
-    """
-    if logits.ndim == 2:
-        return [(0, logits)]
-    try:
-        return [(0, logits.view(math.prod(logits.shape[:-1]), logits.shape[-1]))]
-    except RuntimeError:
-        pass
-    inner = logits.shape[-2]
-    return [(n * inner, logits[index]) for n, index in enumerate(itertools.product(*map(range, logits.shape[:-2])))]
+    `masked`: a keep_mask is given. `entropy_grad` counts only `with_entropy`. `rounded_division`:
+    the logits are divided by the temperature in their own dtype, as eager divides bf16/fp16
+    logits (`RoundedQuotient`), not upcast first and divided in fp32. `chunk_budget_bytes`:
+    `Config.chunk_budget_bytes`, for `chunk_size` 0 (`chunk_sizes`). `with_slice_mean`: the op
+    also returns each row's mean over this rank's slice of its log-probs (no keep mask)."""
+
+    group_name: str
+    temperature: float
+    ignore_index: int | None
+    chunk_size: int
+    kernels: str
+    with_entropy: bool = False
+    entropy_grad: bool = True
+    masked: bool = False
+    with_slice_mean: bool = False
+    rounded_division: bool = False
+    chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES
+
+    @property
+    def entropy_differentiable(self) -> bool:
+        return self.with_entropy and self.entropy_grad
+
+    def group(self):
+        """(the process group, this rank in it, its size): `groups.rank_and_size`."""
+        return rank_and_size(self.group_name)
 
 
-def _row_chunks(logits, chunk_size: int):
-    """`_chunks` of a logits tensor, or the chunks a `HeadLogits` or `RoundedQuotient` computes."""
-    if isinstance(logits, (HeadLogits, RoundedQuotient)):
-        return logits.chunks(chunk_size)
-    return _chunks(logits, chunk_size)
+# ---- the logits, chunk by chunk ------------------------------------------------------------------
+class ShardLogits:
+    """This rank's `[*, Vl]` logits tensor as the ops read it: row blocks (`blocks`) that `row_chunks`
+    cuts into chunks (`piece`), each a view without a copy."""
+
+    computed = False  # a chunk is a view of the caller's logits: its gradient goes elsewhere
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+        self.shape, self.dtype, self.device = logits.shape, logits.dtype, logits.device
+
+    def new_empty(self, *args, **kwargs):
+        return self.logits.new_empty(*args, **kwargs)
+
+    def blocks(self):
+        """(row offset, 2-D `[rows, Vl]` view) blocks covering the rows in order, without a copy.
+
+        One block when the logits view as `[R, Vl]`; a strided view such as `logits[:, :-1]` of a
+        `[B, S, Vl]` tensor walks its leading dims instead (every 2-D slice of a strided tensor is a view).
+        """
+        logits = self.logits
+        if logits.ndim == 2:
+            return [(0, logits)]
+        try:
+            return [(0, logits.view(math.prod(logits.shape[:-1]), logits.shape[-1]))]
+        except RuntimeError:
+            pass
+        inner = logits.shape[-2]
+        return [(n * inner, logits[index]) for n, index in enumerate(itertools.product(*map(range, logits.shape[:-2])))]
+
+    def piece(self, block, start: int, stop: int):
+        """Rows `start:stop` of one of `blocks`."""
+        return block[start:stop]
+
+    def rows_per_chunk(self, args: VocabParallelArgs) -> int:
+        """`args.chunk_size` (> 0), else one fp32 `[chunk, V]` temporary within
+        `chunk_sizes.vocab_parallel_logits_bytes` of the logits' bytes (on a CPU at most
+        `args.chunk_budget_bytes`)."""
+        rows, vocab = math.prod(self.shape[:-1]), self.shape[-1]
+        if args.chunk_size > 0:
+            return max(1, min(args.chunk_size, rows))
+        budget = chunk_sizes.vocab_parallel_logits_bytes(rows * vocab * self.dtype.itemsize, args.chunk_budget_bytes,
+                                                          host=devices.host_reads_are_free(self.device))
+        return chunk_sizes.fitting(budget, vocab * 4, rows)
+
+    def write_gradient(self, grad, sl, chunk_grad) -> None:
+        """Rows `sl` of the logits' gradient `grad` from the gradient of the chunk `piece` read."""
+        grad[sl] = chunk_grad
 
 
-def _chunks(logits, chunk_size: int):
-    """Yield (row slice, `[r, Vl]` view) covering all rows, at most `chunk_size` rows each."""
-    for offset, block in _row_blocks(logits):
-        for start in range(0, block.shape[0], chunk_size):
-            stop = min(block.shape[0], start + chunk_size)
-            yield slice(offset + start, offset + stop), block[start:stop]
+class RoundedQuotient(ShardLogits):
+    """`logits / temperature` as eager computes it for bf16/fp16 `logits` (the quotient rounded to
+    their dtype; the op would otherwise divide the fp32 upcast), one chunk at a time: what the op
+    reads when the temperature's division it took in is one of the logits' own dtype. The division
+    is the same aten op as eager's, elementwise, so each chunk holds exactly eager's quotient."""
+
+    computed = True
+
+    def __init__(self, logits: torch.Tensor, temperature: float):
+        super().__init__(logits)
+        self.temperature = temperature
+
+    def piece(self, block, start: int, stop: int):
+        return torch.div(block[start:stop], self.temperature)
+
+    def write_gradient(self, grad, sl, chunk_grad) -> None:
+        # The division's backward, the same aten op as eager's.
+        torch.div(chunk_grad, self.temperature, out=grad[sl])
 
 
-def _rows_per_chunk(chunk_size: int, rows: int, vocab: int, itemsize: int, device: torch.device,
-                    budget_bytes: int) -> int:
-    """Rows per chunk: `chunk_size` (> 0), else one fp32 `[chunk, V]` temporary within
-    `chunk_sizes.vocab_parallel_logits_bytes` of the logits' bytes (on a CPU at most `budget_bytes`)."""
-    if chunk_size > 0:
-        return max(1, min(chunk_size, rows))
-    budget = chunk_sizes.vocab_parallel_logits_bytes(rows * vocab * itemsize, budget_bytes,
-                                                      host=devices.host_reads_are_free(device))
-    return chunk_sizes.fitting(budget, vocab * 4, rows)
+def read_logits(logits: torch.Tensor, args: VocabParallelArgs):
+    """(what the logits op reads, the args it reads it with): with `args.rounded_division` and a
+    temperature other than 1, the `RoundedQuotient` at temperature 1, else the logits themselves."""
+    if args.rounded_division and args.temperature != 1.0:
+        return RoundedQuotient(logits, args.temperature), dataclasses.replace(args, temperature=1.0)
+    return ShardLogits(logits), args
+
+
+def row_chunks(logits, chunk: int):
+    """(row slice, `[r, Vl]` chunk) covering all rows of `logits` in order, at most `chunk` rows each:
+    the one loop over rows of the vocab-parallel ops. `logits`: a `ShardLogits`, `RoundedQuotient`
+    or `vocab_parallel_lm_head.HeadLogits` (whose chunks are computed, not read)."""
+    for offset, block in logits.blocks():
+        for start in range(0, block.shape[0], chunk):
+            stop = min(block.shape[0], start + chunk)
+            yield slice(offset + start, offset + stop), logits.piece(block, start, stop)
 
 
 def _flat(t: torch.Tensor | None, rows: int, width: int | None = None):
     if t is None:
         return None
     return t.reshape(rows) if width is None else t.reshape(rows, width)
+
+
+def _keep_rows(keep_mask, rows: int, vocab: int):
+    """`keep(sl)`: the keep mask of rows `sl` (`[r, Vl]`, or the `[1, Vl]` row of a `[Vl]` mask);
+    None without a keep mask."""
+    if keep_mask is None:
+        return None
+    if keep_mask.ndim == 1:
+        row = keep_mask[None, :]
+        return lambda sl: row
+    flat = _flat(keep_mask, rows, vocab)
+    return lambda sl: flat[sl]
+
+
+def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None):
+    """(this rank's column of each target clamped into the slice, owned here, ignored)."""
+    ignored = torch.zeros_like(target_flat, dtype=torch.bool) if ignore_index is None else target_flat == ignore_index
+    local = target_flat.long() - rank * vocab
+    owned = (local >= 0) & (local < vocab) & ~ignored
+    return local.clamp(0, max(0, vocab - 1)), owned, ignored
 
 
 # ---- per-chunk math ------------------------------------------------------------------------------
@@ -223,114 +328,124 @@ def _entropy(m, s, moment):
     return big_m + total.log(), total.log() - centred
 
 
-def _finish(stats, with_entropy: bool, masked: bool, ignored, target_flat, vocab_global: int, size: int):
-    """From the gathered `[tp, R, C]` statistics: (logprob, entropy or None, lse_lp, lse_full or None)."""
-    # Every rank gathered the same statistics, so every rank raises here, together.
-    tokens = stats[..., _TOKEN]
-    differ = (tokens != tokens[:1]).any(dim=0)
-
-    def different_targets():
-        row = int(differ.nonzero()[0, 0])
-        return ValueError(f"graphpass: the ranks of the tensor-parallel group were given different targets (row {row}: "
-                          f"{[int(t) for t in tokens[:, row].tolist()]}); pass the same targets on every rank")
-
-    devices.check(~differ.any(), different_targets, "graphpass: the ranks of the tensor-parallel group were given "
-                                                    "different targets; pass the same targets on every rank")
-    bad = (stats[..., _OWNER].sum(dim=0) != 1) & ~ignored
-
-    def outside_vocabulary():
-        row = int(bad.nonzero()[0, 0])
-        return ValueError(f"graphpass: token id {int(target_flat[row])} at row {row} is outside the vocabulary "
-                          f"[0, {vocab_global}) ({size} ranks x {vocab_global // size} columns) and is not "
-                          "ignore_index; check the targets, or set ignore_index to the padding id")
-
-    devices.check(~bad.any(), outside_vocabulary, f"graphpass: a token id is outside the vocabulary [0, {vocab_global}) "
-                                                  "and is not ignore_index; check the targets, or set ignore_index "
-                                                  "to the padding id")
-    big_m, total, _ = _combine(stats[..., _M], stats[..., _S])
-    lse_lp = big_m + total.log()
-    logprob = torch.where(ignored, torch.zeros_like(lse_lp), stats[..., _TARGET].sum(dim=0) - lse_lp)
-    if not with_entropy:
-        return logprob, None, lse_lp, None
-    if masked:
-        lse_full, entropy = _entropy(stats[..., _FULL_M], stats[..., _FULL_S], stats[..., _A])
-        return logprob, entropy, lse_lp, lse_full
-    _, entropy = _entropy(stats[..., _M], stats[..., _S], stats[..., _A])
-    return logprob, entropy, lse_lp, None
-
-
 # ---- forward -------------------------------------------------------------------------------------
-def _local_targets(target_flat, rank: int, vocab: int, ignore_index: int | None):
-    """(this rank's column of each target clamped into the slice, owned here, ignored)."""
-    ignored = torch.zeros_like(target_flat, dtype=torch.bool) if ignore_index is None else target_flat == ignore_index
-    local = target_flat.long() - rank * vocab
-    owned = (local >= 0) & (local < vocab) & ~ignored
-    return local.clamp(0, max(0, vocab - 1)), owned, ignored
+class RowStatistics:
+    """This rank's statistics of each row, the one all-gather's operand (columns `_M`, `_S`, ...),
+    filled chunk by chunk (`add`), and the op's outputs from every rank's (`finish`).
+    `logits`: what the rows are read from (its shape, dtype and device)."""
+
+    def __init__(self, logits, target, keep_mask, args: VocabParallelArgs):
+        if args.with_slice_mean and keep_mask is not None:
+            raise ValueError("graphpass: the slice mean of the log-probs is not computed under a keep_mask")
+        self.args = args
+        self.group, rank, self.size = args.group()
+        self.lead, self.vocab = logits.shape[:-1], logits.shape[-1]
+        rows = math.prod(self.lead)
+        self.dtype = dtype = compute_dtype(logits.dtype)
+        self.new_empty = logits.new_empty
+        self.target_flat = target.reshape(rows)
+        self.local_target, self.owned, self.ignored = _local_targets(self.target_flat, rank, self.vocab,
+                                                                     args.ignore_index)
+        self.keep = _keep_rows(keep_mask, rows, self.vocab)
+        self.stats = torch.zeros(rows, _stat_columns(args.with_entropy, args.masked), dtype=dtype, device=logits.device)
+        # This rank's own: sum over its slice of x - m (its row max m), never gathered.
+        self.slice_sum = torch.zeros(rows, dtype=dtype, device=logits.device) if args.with_slice_mean else None
+
+    def add(self, sl, piece) -> None:
+        """The statistics of rows `sl` from their `[r, Vl]` logits `piece`."""
+        args, stats, dtype = self.args, self.stats, self.dtype
+        lt, own = self.local_target[sl], self.owned[sl]
+        # The target's logit, scaled alone: the same value as read from the scaled chunk.
+        stats[sl, _TARGET] = torch.where(own, _scaled(piece.gather(1, lt[:, None])[:, 0], args.temperature, dtype), 0)
+        stats[sl, _OWNER] = own.to(dtype)
+        # Exact below 2^24 in fp32; two ids that round alike pass unnoticed, never a false alarm.
+        stats[sl, _TOKEN] = self.target_flat[sl].to(dtype)
+        if args.masked:
+            x = _scaled(piece, args.temperature, dtype)
+            m, s, _, _ = _max_and_sum_exp(_apply_keep_mask(x, self.keep(sl), lt, own))
+            stats[sl, _M], stats[sl, _S] = m, s
+            if args.with_entropy:
+                m, s, z, e = _max_and_sum_exp(x)
+                stats[sl, _FULL_M], stats[sl, _FULL_S], stats[sl, _A] = m, s, _shifted_moment(z, e)
+            del x
+        else:
+            row_stats = compiled_kernel(_chunk_stats, args.kernels)(piece, args.temperature, args.with_entropy,
+                                                                    args.with_slice_mean)
+            stats[sl, _M], stats[sl, _S] = row_stats[0], row_stats[1]
+            if args.with_entropy:
+                stats[sl, _A] = row_stats[2]
+            if args.with_slice_mean:
+                self.slice_sum[sl] = row_stats[-1]
+
+    def finish(self):
+        """(logprob, entropy or [0], lse_lp, lse_full or [0]), and `with_slice_mean` a fifth, the slice
+        mean of the log-probs (`_slice_mean`): the one all-gather, then the combination on every rank."""
+        args, stats, dtype = self.args, self.stats, self.dtype
+        rows, columns = stats.shape
+        local_max = stats[:, _M].clone() if args.with_slice_mean else None
+        if self.size > 1:
+            # The one collective of the call: its shape is [size * rows, columns] on every rank, whatever
+            # the values, grad mode or requires_grad (gloo wants the flat [world * n, ...] output).
+            gathered = torch.empty(self.size * rows, columns, dtype=dtype, device=stats.device)
+            all_gather(gathered, stats, self.group)
+            stats = gathered.view(self.size, rows, columns)
+        else:
+            stats = stats[None]
+        logprob, entropy, lse_lp, lse_full = self._combined(stats)
+        # Distinct empty tensors: a custom op's outputs may not alias one another.
+        outputs = (logprob.reshape(self.lead),
+                   self.new_empty((0,), dtype=dtype) if entropy is None else entropy.reshape(self.lead), lse_lp,
+                   self.new_empty((0,), dtype=dtype) if lse_full is None else lse_full)
+        if not args.with_slice_mean:
+            return outputs
+        return (*outputs, _slice_mean(stats, self.slice_sum, local_max, self.vocab).reshape(self.lead))
+
+    def _combined(self, stats):
+        """From the gathered `[tp, R, C]` statistics: (logprob, entropy or None, lse_lp, lse_full or None)."""
+        ignored, target_flat, size = self.ignored, self.target_flat, self.size
+        vocab_global = self.vocab * size
+        # Every rank gathered the same statistics, so every rank raises here, together.
+        tokens = stats[..., _TOKEN]
+        differ = (tokens != tokens[:1]).any(dim=0)
+
+        def different_targets():
+            row = int(differ.nonzero()[0, 0])
+            return ValueError(f"graphpass: the ranks of the tensor-parallel group were given different targets (row {row}: "
+                              f"{[int(t) for t in tokens[:, row].tolist()]}); pass the same targets on every rank")
+
+        devices.check(~differ.any(), different_targets, "graphpass: the ranks of the tensor-parallel group were given "
+                                                        "different targets; pass the same targets on every rank")
+        bad = (stats[..., _OWNER].sum(dim=0) != 1) & ~ignored
+
+        def outside_vocabulary():
+            row = int(bad.nonzero()[0, 0])
+            return ValueError(f"graphpass: token id {int(target_flat[row])} at row {row} is outside the vocabulary "
+                              f"[0, {vocab_global}) ({size} ranks x {vocab_global // size} columns) and is not "
+                              "ignore_index; check the targets, or set ignore_index to the padding id")
+
+        devices.check(~bad.any(), outside_vocabulary, f"graphpass: a token id is outside the vocabulary [0, {vocab_global}) "
+                                                      "and is not ignore_index; check the targets, or set ignore_index "
+                                                      "to the padding id")
+        big_m, total, _ = _combine(stats[..., _M], stats[..., _S])
+        lse_lp = big_m + total.log()
+        logprob = torch.where(ignored, torch.zeros_like(lse_lp), stats[..., _TARGET].sum(dim=0) - lse_lp)
+        if not self.args.with_entropy:
+            return logprob, None, lse_lp, None
+        if self.args.masked:
+            lse_full, entropy = _entropy(stats[..., _FULL_M], stats[..., _FULL_S], stats[..., _A])
+            return logprob, entropy, lse_lp, lse_full
+        _, entropy = _entropy(stats[..., _M], stats[..., _S], stats[..., _A])
+        return logprob, entropy, lse_lp, None
 
 
-def forward_statistics(logits, target, keep_mask, group_name: str, temperature: float, with_entropy: bool,
-                       ignore_index: int | None, chunk_size: int, kernels: str,
-                       chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES, with_slice_mean: bool = False):
-    """The op's forward over `logits`, a `[*, Vl]` tensor or a `HeadLogits` (computed chunk by chunk):
-    (logprob, entropy or [0], lse_lp, lse_full or [0]), and with `with_slice_mean` a fifth, the
-    slice mean of the log-probs (`_slice_mean`; not with a keep mask)."""
-    if with_slice_mean and keep_mask is not None:
-        raise ValueError("graphpass: the slice mean of the log-probs is not computed under a keep_mask")
-    group, rank, size = rank_and_size(group_name)
-    vocab = logits.shape[-1]
-    lead = logits.shape[:-1]
-    rows = math.prod(lead)
-    dtype = compute_dtype(logits.dtype)
-    masked = keep_mask is not None
-    columns = _stat_columns(with_entropy, masked)
-    target_flat = target.reshape(rows)
-    local_target, owned, ignored = _local_targets(target_flat, rank, vocab, ignore_index)
-    keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
-    stats = torch.zeros(rows, columns, dtype=dtype, device=logits.device)
-    # This rank's own: sum over its slice of x - m (its row max m), never gathered.
-    slice_sum = torch.zeros(rows, dtype=dtype, device=logits.device) if with_slice_mean else None
-    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device, chunk_budget_bytes)
+def forward_statistics(logits, target, keep_mask, args: VocabParallelArgs):
+    """The op's forward over `logits` (a `ShardLogits`, `RoundedQuotient` or `HeadLogits`, read chunk
+    by chunk): `RowStatistics.finish`'s outputs."""
+    statistics = RowStatistics(logits, target, keep_mask, args)
     with torch.no_grad():
-        for sl, piece in _row_chunks(logits, chunk):
-            lt, own = local_target[sl], owned[sl]
-            # The target's logit, scaled alone: the same value as read from the scaled chunk.
-            stats[sl, _TARGET] = torch.where(own, _scaled(piece.gather(1, lt[:, None])[:, 0], temperature, dtype), 0)
-            stats[sl, _OWNER] = own.to(dtype)
-            # Exact below 2^24 in fp32; two ids that round alike pass unnoticed, never a false alarm.
-            stats[sl, _TOKEN] = target_flat[sl].to(dtype)
-            if masked:
-                x = _scaled(piece, temperature, dtype)
-                keep = keep_mask[None, :] if keep_rows is None else keep_rows[sl]
-                m, s, _, _ = _max_and_sum_exp(_apply_keep_mask(x, keep, lt, own))
-                stats[sl, _M], stats[sl, _S] = m, s
-                if with_entropy:
-                    m, s, z, e = _max_and_sum_exp(x)
-                    stats[sl, _FULL_M], stats[sl, _FULL_S], stats[sl, _A] = m, s, _shifted_moment(z, e)
-                del x
-            else:
-                row_stats = compiled_kernel(_chunk_stats, kernels)(piece, temperature, with_entropy, with_slice_mean)
-                stats[sl, _M], stats[sl, _S] = row_stats[0], row_stats[1]
-                if with_entropy:
-                    stats[sl, _A] = row_stats[2]
-                if with_slice_mean:
-                    slice_sum[sl] = row_stats[-1]
-    local_max = stats[:, _M].clone() if with_slice_mean else None
-    if size > 1:
-        # The one collective of the call: its shape is [size * rows, columns] on every rank, whatever
-        # the values, grad mode or requires_grad (gloo wants the flat [world * n, ...] output).
-        gathered = torch.empty(size * rows, columns, dtype=dtype, device=logits.device)
-        all_gather(gathered, stats, group)
-        stats = gathered.view(size, rows, columns)
-    else:
-        stats = stats[None]
-    logprob, entropy, lse_lp, lse_full = _finish(stats, with_entropy, masked, ignored, target_flat, vocab * size, size)
-    # Distinct empty tensors: a custom op's outputs may not alias one another.
-    outputs = (logprob.reshape(lead),
-               logits.new_empty((0,), dtype=dtype) if entropy is None else entropy.reshape(lead), lse_lp,
-               logits.new_empty((0,), dtype=dtype) if lse_full is None else lse_full)
-    if not with_slice_mean:
-        return outputs
-    return (*outputs, _slice_mean(stats, slice_sum, local_max, vocab).reshape(lead))
+        for sl, piece in row_chunks(logits, logits.rows_per_chunk(args)):
+            statistics.add(sl, piece)
+    return statistics.finish()
 
 
 def _slice_mean(stats, slice_sum, local_max, vocab: int):
@@ -345,171 +460,99 @@ def _slice_mean(stats, slice_sum, local_max, vocab: int):
 
 
 # ---- backward ------------------------------------------------------------------------------------
-def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
-              temperature: float, ignore_index: int | None, chunk_size: int, kernels: str,
-              rounded_division: bool, chunk_budget_bytes: int, grad_slice_mean=None):
-    """d(logprob . grad_logprob + entropy . grad_entropy + slice mean . grad_slice_mean) / d logits,
-    chunk by chunk, no collective.
+class RowGradients:
+    """The row operands of the logits' gradient, for all rows, computed once (None where the
+    log-prob's, the entropy's or the slice mean's gradient is absent or known zero: no entropy
+    recompute for an entropy returned only for logging), and each chunk's gradient from them
+    (`of_chunk`). `logits`: what the op reads (its shape and dtype); `lse_full`: read under a keep
+    mask only; `grad_slice_mean`: the gradient of the slice mean of the log-probs (`_slice_mean`),
+    or None; not with a keep mask."""
 
-    `rounded_division`: the op's logits are `logits / temperature` computed in the logits' dtype
-    (`RoundedQuotient`); the gradient is then eager autograd's of that division: the gradient
-    with respect to the quotient, in the logits' dtype, divided by the temperature in that dtype."""
-    grad = torch.empty(math.prod(logits.shape[:-1]), logits.shape[-1], dtype=logits.dtype, device=logits.device)
-
-    def write(sl, chunk_grad):
-        grad[sl] = chunk_grad
-
-    if rounded_division:
-        quotient_temperature = temperature
-        logits, temperature = RoundedQuotient(logits, temperature), 1.0
-
-        def write(sl, chunk_grad):  # noqa: F811 -- the division's backward, the same aten op as eager's
-            torch.div(chunk_grad, quotient_temperature, out=grad[sl])
-
-    backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                  temperature, ignore_index, chunk_size, kernels, write, chunk_budget_bytes, grad_slice_mean)
-    return grad.view(logits.shape)
-
-
-class GradRows:
-    """The row operands of the unmasked gradient kernel (`_chunk_grad`) for all rows, computed once:
-    `[rows, 1]` columns, None where the log-prob's (or the entropy's) gradient is absent or known
-    zero (`known_zero`: no entropy recompute for an entropy returned only for logging)."""
-
-    def __init__(self, target, lse_lp, entropy, grad_logprob, grad_entropy, rank: int, vocab: int,
-                 ignore_index: int | None, dtype):
-        rows = target.numel()
-        local_target, owned, ignored = _local_targets(target.reshape(rows), rank, vocab, ignore_index)
-        self.lse, self.local_target = lse_lp.reshape(rows, 1), local_target[:, None]
-        self.g_lp = self.g_target = self.entropy = self.g_ent = None
+    def __init__(self, logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
+                 args: VocabParallelArgs, grad_slice_mean=None):
+        _, rank, _ = args.group()
+        vocab = logits.shape[-1]
+        rows = math.prod(logits.shape[:-1])
+        self.args, self.dtype = args, compute_dtype(logits.dtype)
+        local_target, self.owned, ignored = _local_targets(target.reshape(rows), rank, vocab, args.ignore_index)
+        self.local_target = local_target[:, None]
+        self.keep = _keep_rows(keep_mask, rows, vocab)
+        self.g_lp = self.g_target = self.entropy = self.g_ent = self.g_mean = None
         if grad_logprob is not None:
-            g_lp = torch.where(ignored, 0, _flat(grad_logprob, rows).to(dtype))
-            self.g_lp, self.g_target = g_lp[:, None], torch.where(owned, g_lp, 0)[:, None]
+            g_lp = torch.where(ignored, 0, _flat(grad_logprob, rows).to(self.dtype))
+            self.g_lp, self.g_target = g_lp[:, None], torch.where(self.owned, g_lp, 0)[:, None]
+            if args.masked:
+                # An ignored row contributes nothing; its (masked) log-sum-exp may be -inf, so its softmax
+                # is taken against +inf (probabilities 0) rather than multiplied by a zero weight (NaN).
+                lse_lp = torch.where(ignored, float("inf"), lse_lp)
+        self.lse_lp = lse_lp.reshape(rows, 1)
         if not devices.known_zero(grad_entropy):
-            self.entropy, self.g_ent = entropy.reshape(rows, 1), _flat(grad_entropy, rows).to(dtype)[:, None]
+            self.entropy, self.g_ent = entropy.reshape(rows, 1), _flat(grad_entropy, rows).to(self.dtype)[:, None]
+            # Under a keep mask the log-prob's softmax is over the kept logits, the entropy's over all.
+            self.lse_ent = lse_full.reshape(rows, 1) if args.masked else self.lse_lp
+        if not devices.known_zero(grad_slice_mean):
+            if args.masked:
+                raise ValueError("graphpass: the slice mean of the log-probs is not computed under a keep_mask")
+            self.g_mean = _flat(grad_slice_mean, rows).to(self.dtype)[:, None]
 
     @staticmethod
     def _rows(t, sl):
         return None if t is None else t[sl]
 
-    def args(self, sl, column: int = 0):
-        """The kernel's row operands for rows `sl` of a piece whose first column is `column`."""
+    def of_chunk(self, sl, piece, in_place: bool, column: int = 0):
+        """The gradient of the logits `piece` of rows `sl` (a tile of columns from `column` on: no
+        keep mask), in their dtype; `in_place`: written over `piece` (its logits are then gone)."""
+        if self.args.masked:
+            return self._masked(sl, piece)
         target = self.local_target[sl] if column == 0 else self.local_target[sl] - column
-        return (self.lse[sl], self._rows(self.g_lp, sl), self._rows(self.g_target, sl), target,
-                self._rows(self.entropy, sl), self._rows(self.g_ent, sl))
+        kernel = compiled_kernel(chunk_grad_ if in_place else _chunk_grad, self.args.kernels)
+        grad = kernel(piece, self.lse_lp[sl], self._rows(self.g_lp, sl), self._rows(self.g_target, sl), target,
+                      self._rows(self.entropy, sl), self._rows(self.g_ent, sl), self.args.temperature,
+                      self._rows(self.g_mean, sl))
+        return piece if in_place else grad
 
-
-def backward_rows(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name: str,
-                  temperature: float, ignore_index: int | None, chunk_size: int, kernels: str, sink,
-                  chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES, grad_slice_mean=None) -> None:
-    """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows in order;
-    `logits`: a `[*, Vl]` tensor or a `HeadLogits`. No collective. `grad_slice_mean`: the gradient
-    of the slice mean of the log-probs (`_slice_mean`), or None; not with a keep mask."""
-    _, rank, _ = rank_and_size(group_name)
-    vocab = logits.shape[-1]
-    rows = math.prod(logits.shape[:-1])
-    dtype = compute_dtype(logits.dtype)
-    masked = keep_mask is not None
-    local_target, owned, ignored = _local_targets(target.reshape(rows), rank, vocab, ignore_index)
-    keep_rows = None if keep_mask is None or keep_mask.ndim == 1 else _flat(keep_mask, rows, vocab)
-    g_lp = None
-    if grad_logprob is not None:
-        # An ignored row contributes nothing; its (masked) log-sum-exp may be -inf, so its softmax
-        # is taken against +inf (probabilities 0) rather than multiplied by a zero weight (NaN).
-        g_lp = torch.where(ignored, 0, _flat(grad_logprob, rows).to(dtype))
-        lse_lp = torch.where(ignored, float("inf"), lse_lp) if masked else lse_lp
-        g_target = torch.where(owned, g_lp, 0)
-    # An entropy returned only for logging gets a zero gradient: skip its recompute.
-    g_ent = None if devices.known_zero(grad_entropy) else _flat(grad_entropy, rows).to(dtype)
-    g_mean = None if devices.known_zero(grad_slice_mean) else _flat(grad_slice_mean, rows).to(dtype)
-    if g_mean is not None and masked:
-        raise ValueError("graphpass: the slice mean of the log-probs is not computed under a keep_mask")
-    lse_ent = lse_full if masked else lse_lp
-    chunk = _rows_per_chunk(chunk_size, rows, vocab, logits.dtype.itemsize, logits.device, chunk_budget_bytes)
-    if not masked:
-        entropy_rows = entropy.reshape(-1)
-        # A chunk a `HeadLogits` or `RoundedQuotient` computed is a temporary: its gradient takes its place.
-        in_place = isinstance(logits, (HeadLogits, RoundedQuotient))
-        kernel = compiled_kernel(chunk_grad_ if in_place else _chunk_grad, kernels)
-        for sl, piece in _row_chunks(logits, chunk):
-            grad = kernel(piece, lse_lp[sl, None],
-                          None if g_lp is None else g_lp[sl, None], None if g_lp is None else g_target[sl, None],
-                          local_target[sl, None], None if g_ent is None else entropy_rows[sl, None],
-                          None if g_ent is None else g_ent[sl, None], temperature,
-                          None if g_mean is None else g_mean[sl, None])
-            sink(sl, piece if in_place else grad)
-        return
-    # Under a keep mask the log-prob's softmax is over the kept logits, the entropy's over all.
-    for sl, piece in _row_chunks(logits, chunk):
+    def _masked(self, sl, piece):
+        dtype, temperature = self.dtype, self.args.temperature
         x = _scaled(piece, temperature, dtype)
-        lt = local_target[sl]
+        lt = self.local_target[sl, 0]
         out = torch.zeros_like(x)
-        if g_lp is not None:
-            xm = _apply_keep_mask(x, keep_mask[None, :] if keep_rows is None else keep_rows[sl], lt, owned[sl])
-            out.addcmul_((xm - lse_lp[sl, None]).exp(), g_lp[sl, None], value=-1)
-            out.scatter_add_(1, lt[:, None], g_target[sl, None])
+        if self.g_lp is not None:
+            xm = _apply_keep_mask(x, self.keep(sl), lt, self.owned[sl])
+            out.addcmul_((xm - self.lse_lp[sl]).exp(), self.g_lp[sl], value=-1)
+            out.scatter_add_(1, lt[:, None], self.g_target[sl])
             del xm
-        if g_ent is not None:
-            z = x - lse_ent[sl, None]
+        if self.g_ent is not None:
+            z = x - self.lse_ent[sl]
             p = z.exp()
             # d entropy / dx = p (E[x] - x) = p (-H - (x - lse)); a -inf logit has p = 0 and contributes 0.
             z = z.clamp_min(torch.finfo(dtype).min)
-            out.addcmul_(p, (-entropy.reshape(rows)[sl, None] - z) * g_ent[sl, None])
+            out.addcmul_(p, (-self.entropy[sl] - z) * self.g_ent[sl])
             del z, p
         if temperature != 1.0:
             out.div_(temperature)
-        sink(sl, out.to(logits.dtype))
-        del x, out
+        return out.to(piece.dtype)
 
 
-# ---- logits divided in their own dtype -----------------------------------------------------------
-class RoundedQuotient:
-    """`logits / temperature` as eager computes it for bf16/fp16 `logits` (the quotient rounded to
-    their dtype; the op would otherwise divide the fp32 upcast), one chunk at a time: what the op
-    reads when the temperature's division it took in is one of the logits' own dtype. The division
-    is the same aten op as eager's, elementwise, so each chunk holds exactly eager's quotient."""
-
-    def __init__(self, logits, temperature: float):
-        self.logits, self.temperature = logits, temperature
-        self.shape, self.dtype, self.device = logits.shape, logits.dtype, logits.device
-
-    def new_empty(self, *args, **kwargs):
-        return self.logits.new_empty(*args, **kwargs)
-
-    def chunks(self, chunk_size: int):
-        for sl, piece in _row_chunks(self.logits, chunk_size):
-            yield sl, torch.div(piece, self.temperature)
+def backward_rows(logits, gradients: RowGradients, sink) -> None:
+    """`sink(row slice, the chunk's dlogits in the logits' dtype)` for each chunk of rows of `logits`
+    (as `forward_statistics` reads them) in order. No collective."""
+    for sl, piece in row_chunks(logits, logits.rows_per_chunk(gradients.args)):
+        # A computed chunk is a temporary: its gradient takes its place.
+        sink(sl, gradients.of_chunk(sl, piece, in_place=logits.computed))
 
 
-# ---- logits computed from the hidden states (the lm_head op's, `vocab_parallel_lm_head.py`) ------
-class HeadLogits:
-    """This rank's `[*, Vl]` logits as `hidden @ W_r.T (+ b_r)`, never stored: `chunks` computes
-    each chunk's rows from the hidden states' (what `_forward` and `backward_rows` read instead of
-    a logits tensor)."""
-
-    def __init__(self, hidden, weight, bias):
-        lead = hidden.shape[:-1]
-        self.hidden = hidden.reshape(math.prod(lead), hidden.shape[-1])  # a view where hidden allows one
-        self.weight, self.bias = weight, bias
-        self.shape = torch.Size((*lead, weight.shape[0]))
-        self.dtype, self.device = hidden.dtype, hidden.device
-
-    def new_empty(self, *args, **kwargs):
-        return self.hidden.new_empty(*args, **kwargs)
-
-    def logits(self, sl, out=None):
-        """The logits of rows `sl`, `[r, Vl]`, as autograd of `F.linear(hidden, W, b)` computes them
-        (into `out` when given)."""
-        h = self.hidden[sl]
-        if self.bias is None:
-            return torch.mm(h, self.weight.t(), out=out)
-        return torch.addmm(self.bias, h, self.weight.t(), out=out)
-
-    def chunks(self, chunk_size: int):
-        rows = self.hidden.shape[0]
-        for start in range(0, rows, chunk_size):
-            sl = slice(start, min(rows, start + chunk_size))
-            yield sl, self.logits(sl)
+def _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, grad_slice_mean,
+              args: VocabParallelArgs):
+    """d(logprob . grad_logprob + entropy . grad_entropy + slice mean . grad_slice_mean) / d logits,
+    chunk by chunk, no collective. With `args.rounded_division` (`read_logits`) it is eager
+    autograd's of the division: the gradient with respect to the quotient, in the logits' dtype,
+    divided by the temperature in that dtype."""
+    grad = torch.empty(math.prod(logits.shape[:-1]), logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    source, read_args = read_logits(logits, args)
+    gradients = RowGradients(source, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
+                             read_args, grad_slice_mean)
+    backward_rows(source, gradients, lambda sl, chunk_grad: source.write_gradient(grad, sl, chunk_grad))
+    return grad.view(logits.shape)
 
 
 def fake_outputs(like, lead, with_entropy: bool, masked: bool):
@@ -521,6 +564,14 @@ def fake_outputs(like, lead, with_entropy: bool, masked: bool):
 
 
 # ---- custom ops ----------------------------------------------------------------------------------
+def _op_args(keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size, kernels,
+             rounded_division=False, chunk_budget_bytes=chunk_sizes.DEFAULT_BUDGET_BYTES, with_slice_mean=False):
+    """The `VocabParallelArgs` of a `graphpass::vocab_parallel_logprob_entropy` call, from its arguments after `target`."""
+    return VocabParallelArgs(group_name, temperature, ignore_index, chunk_size, kernels, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad, masked=keep_mask is not None, with_slice_mean=with_slice_mean,
+                             rounded_division=bool(rounded_division), chunk_budget_bytes=chunk_budget_bytes)
+
+
 @torch.library.custom_op("graphpass::vocab_parallel_logprob_entropy", mutates_args=(),
                         tags=devices.NOT_CUDAGRAPH_CAPTURABLE)
 def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: torch.Tensor | None, group_name: str,
@@ -531,16 +582,13 @@ def _vocab_parallel_op(logits: torch.Tensor, target: torch.Tensor, keep_mask: to
     """(logprob, entropy or [0], log-sum-exp of the log-prob distribution [R], of the unmasked one or
     [0], the mean of the log-probs over this rank's vocabulary slice or [0]).
 
-    `rounded_division`: the logits are divided by the temperature in their own dtype, as eager
-    divides bf16/fp16 logits (`RoundedQuotient`), not upcast first and divided in fp32.
-    `chunk_budget_bytes`: `Config.chunk_budget_bytes`, for `chunk_size` 0 (`chunk_sizes`).
-    `with_slice_mean`: the fifth output is each row's mean over this rank's slice of its log-probs,
-    local to the rank (not all-reduced; megatron-core's label smoothing reads it), differentiable
-    with respect to this rank's logits alone; no keep mask. It adds nothing to the collective."""
-    if rounded_division and temperature != 1.0:
-        logits, temperature = RoundedQuotient(logits, temperature), 1.0
-    out = forward_statistics(logits, target, keep_mask, group_name, temperature, with_entropy, ignore_index,
-                             chunk_size, kernels, chunk_budget_bytes, with_slice_mean)
+    `rounded_division`, `chunk_budget_bytes`, `with_slice_mean`: as in `VocabParallelArgs`; the slice
+    mean is local to the rank (not all-reduced; megatron-core's label smoothing reads it),
+    differentiable with respect to this rank's logits alone, and adds nothing to the collective."""
+    args = _op_args(keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size, kernels,
+                    rounded_division, chunk_budget_bytes, with_slice_mean)
+    source, read_args = read_logits(logits, args)
+    out = forward_statistics(source, target, keep_mask, read_args)
     return out if with_slice_mean else (*out, logits.new_empty((0,), dtype=compute_dtype(logits.dtype)))
 
 
@@ -562,9 +610,10 @@ def _vocab_parallel_backward_op(logits: torch.Tensor, target: torch.Tensor, keep
                                 chunk_budget_bytes: int = chunk_sizes.DEFAULT_BUDGET_BYTES,
                                 grad_slice_mean: torch.Tensor | None = None) -> torch.Tensor:
     """The logits' gradient (in their dtype) of `vocab_parallel_logprob_entropy`; issues no collective."""
-    return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                     temperature, ignore_index, chunk_size, kernels, rounded_division and temperature != 1.0,
-                     chunk_budget_bytes, grad_slice_mean)
+    args = VocabParallelArgs(group_name, temperature, ignore_index, chunk_size, kernels, masked=keep_mask is not None,
+                             rounded_division=bool(rounded_division), chunk_budget_bytes=chunk_budget_bytes)
+    return _backward(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
+                     grad_slice_mean, args)
 
 
 @_vocab_parallel_backward_op.register_fake
@@ -575,19 +624,15 @@ def _(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_e
 
 
 def _setup_context(ctx, inputs, output):
-    (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
-     kernels, rounded_division, chunk_budget_bytes, with_slice_mean) = inputs
-    ctx.rounded_division, ctx.chunk_budget_bytes = bool(rounded_division), chunk_budget_bytes
+    logits, target, keep_mask = inputs[:3]
+    ctx.args = _op_args(*inputs[2:])
     logprob, entropy, lse_lp, lse_full, slice_mean = output
-    if not with_slice_mean:
+    if not ctx.args.with_slice_mean:
         ctx.mark_non_differentiable(slice_mean)
-    ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
-    ctx.kernels = kernels
-    ctx.entropy_grad = with_entropy and entropy_grad
     # O(rows) beyond the inputs: the log-sum-exps and the entropy (the backward's E[x] = lse - H).
     ctx.save_for_backward(logits, target, keep_mask, lse_lp, lse_full, entropy)
     ctx.mark_non_differentiable(lse_lp, lse_full)
-    if not ctx.entropy_grad:
+    if not ctx.args.entropy_differentiable:
         ctx.mark_non_differentiable(entropy)
 
 
@@ -595,15 +640,16 @@ def _autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad_lse_
     if not ctx.needs_input_grad[0]:
         return (None,) * 13
     logits, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
-    if not ctx.entropy_grad:
+    args = ctx.args
+    if not args.entropy_differentiable:
         grad_entropy = None
     if grad_slice_mean is not None and grad_slice_mean.numel() == 0:  # not asked for: an empty output
         grad_slice_mean = None
     if grad_logprob is None and grad_entropy is None and grad_slice_mean is None:
         return (None,) * 13
     grad = _vocab_parallel_backward_op(logits, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob,
-                                       grad_entropy, ctx.group_name, ctx.temperature, ctx.ignore_index,
-                                       ctx.chunk_size, ctx.kernels, ctx.rounded_division, ctx.chunk_budget_bytes,
+                                       grad_entropy, args.group_name, args.temperature, args.ignore_index,
+                                       args.chunk_size, args.kernels, args.rounded_division, args.chunk_budget_bytes,
                                        grad_slice_mean)
     return (grad,) + (None,) * 12
 
@@ -679,3 +725,4 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, target: torch.Tensor, g
                                                 None if ignore_index is None else int(ignore_index),
                                                 chunk_size or 0, "eager")
     return logprob, (entropy if with_entropy else None)
+

@@ -33,9 +33,9 @@ import torch
 
 from graphpass import _torch_api
 from graphpass.ops.gradients_in_forward import scale_gradients_
-from graphpass.ops.groups import rank_and_size
-from graphpass.ops.vocab_parallel import GradRows, HeadLogits, chunk_grad_, compiled_kernel, compute_dtype, forward_statistics
-from graphpass.ops.vocab_parallel_lm_head import HeadGradients, block_rows
+from graphpass.ops.vocab_parallel import RowGradients, RowStatistics, VocabParallelArgs, compute_dtype, row_chunks
+from graphpass.ops.vocab_parallel_lm_head import HeadGradients, HeadLogits, block_rows
+
 
 class LossGradient:
     """`(g_logprob, g_entropy)` of `sum_k seeds[k] * summands[k].sum()` for a block's rows, where
@@ -86,48 +86,6 @@ def register_loss(loss: torch.fx.GraphModule, dtype, sides: list, seeds: list, r
     return key
 
 
-def _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key, group_name, temperature,
-                            with_entropy, entropy_grad, ignore_index, chunk_size, kernels, need_hidden, need_weight,
-                            need_bias):
-    loss = _LOSSES[loss_key]
-    _, rank, _ = rank_and_size(group_name)
-    head = HeadLogits(hidden, weight, bias)
-    grads = HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
-    rows, vocab = head.hidden.shape[0], weight.shape[0]
-    dtype = compute_dtype(hidden.dtype)
-    target_flat = target.reshape(rows)
-    # A mean's coefficient applies to each row's summand divided by the rows.
-    seeds = [seed / rows if reduction == "mean" else seed for seed, reduction in zip(seeds, loss.reductions)]
-    logprob = hidden.new_empty(rows, dtype=dtype)
-    entropy = hidden.new_empty(rows if with_entropy else 0, dtype=dtype)
-    block = block_rows(chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
-    empty = hidden.new_empty(0, dtype=dtype)
-    grad_kernel = compiled_kernel(chunk_grad_, kernels)
-    wanted = need_hidden or need_weight or need_bias
-    store = hidden.new_empty(min(block, rows), vocab)
-    for start in range(0, rows, block):
-        sl = slice(start, min(rows, start + block))
-        logits = store[:sl.stop - start]
-        head.logits(sl, out=logits)
-        lp, ent, lse, _ = forward_statistics(logits, target_flat[sl], None, group_name, temperature, with_entropy,
-                                   ignore_index, block, kernels)
-        logprob[sl] = lp
-        if with_entropy:
-            entropy[sl] = ent
-        if not wanted:  # this rank computes no gradient (the same blocks and collectives)
-            continue
-        g_lp, g_ent = loss(lp, ent if loss.with_entropy else empty, [s[sl] if s.ndim else s for s in sides], seeds)
-        operands = GradRows(target_flat[sl], lse, ent, g_lp, g_ent if loss.with_entropy else None, rank, vocab,
-                             ignore_index, dtype)
-        # One kernel call per block: the block's logits become their gradient where they are.
-        grad_kernel(logits, *operands.args(slice(None)), temperature)
-        grads(sl, logits)
-    dh, dw, db = grads.results()
-    carrier = torch.full((), -0.0, dtype=seeds[0].dtype, device=hidden.device)
-    return [logprob.view(hidden.shape[:-1]), entropy.view(hidden.shape[:-1]) if with_entropy else entropy, carrier,
-            dh, dw, db, torch.zeros((), dtype=torch.int64)]
-
-
 @torch.library.custom_op("graphpass::vocab_parallel_lm_head_with_gradients", mutates_args=())
 def vocab_parallel_lm_head_with_gradients(
         hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -138,9 +96,41 @@ def vocab_parallel_lm_head_with_gradients(
     calls]: `vocab_parallel_lm_head_logprob_entropy`'s outputs and the gradients of the loss
     `sum_k seeds[k] * total_k` its registered loss math `loss_key` computes from them (module doc).
     `sides`: the loss math's other inputs, flattened to `[rows]` or 0-d."""
-    return _forward_with_gradients(hidden, weight, bias, target, sides, seeds, loss_key, group_name, temperature,
-                                   with_entropy, entropy_grad, ignore_index, chunk_size, kernels, need_hidden,
-                                   need_weight, need_bias)
+    args = VocabParallelArgs(group_name, temperature, ignore_index, chunk_size, kernels, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad)
+    loss = _LOSSES[loss_key]
+    head = HeadLogits(hidden, weight, bias, one_buffer=True)
+    grads = HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
+    rows = head.hidden.shape[0]
+    dtype = compute_dtype(hidden.dtype)
+    target_flat = target.reshape(rows)
+    # A mean's coefficient applies to each row's summand divided by the rows.
+    seeds = [seed / rows if reduction == "mean" else seed for seed, reduction in zip(seeds, loss.reductions)]
+    logprob = hidden.new_empty(rows, dtype=dtype)
+    entropy = hidden.new_empty(rows if with_entropy else 0, dtype=dtype)
+    empty = hidden.new_empty(0, dtype=dtype)
+    wanted = need_hidden or need_weight or need_bias
+    for sl, logits in row_chunks(head, head.rows_per_chunk(args)):
+        # The block's statistics, gathered: its log-probs and entropies are known while its logits are at hand.
+        statistics = RowStatistics(logits, target_flat[sl], None, args)
+        with torch.no_grad():
+            statistics.add(slice(None), logits)
+        lp, ent, lse, _ = statistics.finish()
+        logprob[sl] = lp
+        if with_entropy:
+            entropy[sl] = ent
+        if not wanted:  # this rank computes no gradient (the same blocks and collectives)
+            continue
+        g_lp, g_ent = loss(lp, ent if loss.with_entropy else empty, [s[sl] if s.ndim else s for s in sides], seeds)
+        gradients = RowGradients(logits, target_flat[sl], None, lse, None, ent, g_lp,
+                                 g_ent if loss.with_entropy else None, args)
+        # One kernel call per block: the block's logits become their gradient where they are.
+        gradients.of_chunk(slice(None), logits, in_place=True)
+        grads(sl, logits)
+    dh, dw, db = grads.results()
+    carrier = torch.full((), -0.0, dtype=seeds[0].dtype, device=hidden.device)
+    return [logprob.view(hidden.shape[:-1]), entropy.view(hidden.shape[:-1]) if with_entropy else entropy, carrier,
+            dh, dw, db, torch.zeros((), dtype=torch.int64)]
 
 
 @vocab_parallel_lm_head_with_gradients.register_fake

@@ -11,6 +11,10 @@ gradient (no keep_mask; on an accelerator for a narrower weight with no more row
 `F.linear` gives; for bf16 with compiled kernels on the CPU, row chunks write `dhidden` first and the tiles
 give `dW` alone); else row chunks write `hidden.grad` rows and accumulate the weight's and bias's
 gradients in fp32. The same one collective, none in backward.
+
+`HeadLogits` is what the row loop of `vocab_parallel` (`row_chunks`) reads here instead of a logits
+tensor, and gives the backward's vocabulary tiles (`HeadLogits.column_tiles`); the math is the
+logits op's.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ import math
 import torch
 
 from graphpass.ops import chunk_sizes, devices
-from graphpass.ops.groups import group_name, rank_and_size
-from graphpass.ops.vocab_parallel import (GradRows, HeadLogits, backward_rows, chunk_grad_, compiled_kernel,
-                                          compute_dtype, fake_outputs, forward_statistics)
+from graphpass.ops.groups import group_name
+from graphpass.ops.vocab_parallel import (RowGradients, VocabParallelArgs, backward_rows, fake_outputs,
+                                          forward_statistics)
 
 
 def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
@@ -35,6 +39,61 @@ def block_rows(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsiz
     floor = chunk_sizes.lm_head_floor_bytes(rows, vocab, hidden_size, itemsize)
     limit = chunk_sizes.fitting(floor * chunk_sizes.VOCAB_PARALLEL_LM_HEAD_SHARE, vocab * itemsize, rows)
     return chunk_sizes.even_panels(rows, limit)
+
+
+def _linear(hidden, weight, bias, out=None):
+    """`F.linear(hidden, weight, bias)` as autograd of it computes it (into `out` when given)."""
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+class HeadLogits:
+    """This rank's `[*, Vl]` logits as `hidden @ W_r.T (+ b_r)`, never stored: each chunk of rows
+    (`piece`, for `vocab_parallel.row_chunks`) or each tile of vocabulary columns (`column_tiles`)
+    is computed from the hidden states when it is read. `one_buffer`: every chunk of rows is
+    written into one buffer, so a chunk is valid until the next is read."""
+
+    computed = True  # a chunk is a temporary: its gradient may take its place
+
+    def __init__(self, hidden, weight, bias, one_buffer: bool = False):
+        lead = hidden.shape[:-1]
+        self.hidden = hidden.reshape(math.prod(lead), hidden.shape[-1])  # a view where hidden allows one
+        self.weight, self.bias = weight, bias
+        self.shape = torch.Size((*lead, weight.shape[0]))
+        self.dtype, self.device = hidden.dtype, hidden.device
+        self.one_buffer, self.buffer = one_buffer, None
+
+    def new_empty(self, *args, **kwargs):
+        return self.hidden.new_empty(*args, **kwargs)
+
+    def blocks(self):
+        return [(0, self.hidden)]
+
+    def piece(self, block, start: int, stop: int):
+        """The logits of rows `start:stop`, `[r, Vl]`."""
+        out = None
+        if self.one_buffer:
+            if self.buffer is None:  # the first chunk is the largest
+                self.buffer = self.hidden.new_empty(stop - start, self.weight.shape[0])
+            out = self.buffer[:stop - start]
+        return _linear(block[start:stop], self.weight, self.bias, out=out)
+
+    def rows_per_chunk(self, args: VocabParallelArgs) -> int:
+        """`block_rows`."""
+        return block_rows(args.chunk_size, self.hidden.shape[0], self.weight.shape[0], self.weight.shape[1],
+                          self.dtype.itemsize)
+
+    def column_tiles(self, tile: int):
+        """(column slice, `[rows, c]` logits of every row for those vocabulary entries) for tiles of at
+        most `tile` columns in order, each written into one buffer (valid until the next is read)."""
+        rows, vocab = self.hidden.shape[0], self.weight.shape[0]
+        store = self.hidden.new_empty(rows * min(tile, vocab))
+        for start in range(0, vocab, tile):
+            columns = slice(start, min(vocab, start + tile))
+            logits = store[:rows * (columns.stop - start)].view(rows, columns.stop - start)
+            _linear(self.hidden, self.weight[columns], None if self.bias is None else self.bias[columns], out=logits)
+            yield columns, logits
 
 
 class HeadGradients:
@@ -83,8 +142,16 @@ def _vocab_parallel_head_op(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     """`vocab_parallel_logprob_entropy` of the logits `hidden @ weight.T (+ bias)` (this rank's
     `[V/tp, H]` weight shard and `[V/tp]` bias shard), computed chunk by chunk: the same outputs
     and the same one collective."""
-    return forward_statistics(HeadLogits(hidden, weight, bias), target, keep_mask, group_name, temperature, with_entropy,
-                    ignore_index, _head_rows(chunk_size, hidden, weight), kernels)
+    args = _head_op_args(keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size,
+                         kernels)
+    return forward_statistics(HeadLogits(hidden, weight, bias), target, keep_mask, args)
+
+
+def _head_op_args(keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, chunk_size, kernels):
+    """The `VocabParallelArgs` of a `graphpass::vocab_parallel_lm_head_logprob_entropy` call, from
+    its arguments after `target`."""
+    return VocabParallelArgs(group_name, temperature, ignore_index, chunk_size, kernels, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad, masked=keep_mask is not None)
 
 
 @_vocab_parallel_head_op.register_fake
@@ -104,23 +171,20 @@ def _vocab_parallel_head_backward_op(hidden: torch.Tensor, weight: torch.Tensor,
                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dhidden, dweight, dbias) of `vocab_parallel_lm_head_logprob_entropy`, each `[0]` where not
     wanted; each chunk's logits recomputed; no collective."""
+    args = VocabParallelArgs(group_name, temperature, ignore_index, chunk_size, kernels, masked=keep_mask is not None)
     head = HeadLogits(hidden, weight, bias)
-    rows = _head_rows(chunk_size, hidden, weight)
+    gradients = RowGradients(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, args)
     schedule = backward_schedule(hidden, weight, keep_mask, need_hidden, need_weight, kernels)
     if schedule != "rows":
         dhidden = None
         if schedule == "rows, then tiles":
             sink = HeadGradients(head, hidden.shape, True, False, False)
-            backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
-                          group_name, temperature, ignore_index, rows, kernels, sink)
+            backward_rows(head, gradients, sink)
             dhidden, need_hidden = sink.results()[0], False
-        grads = _head_backward_by_tiles(head, hidden.shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
-                                        group_name, temperature, ignore_index, chunk_size, kernels, need_hidden,
-                                        need_bias)
+        grads = _head_backward_by_tiles(head, hidden.shape, gradients, need_hidden, need_bias)
         return grads if dhidden is None else (dhidden, *grads[1:])
     sink = HeadGradients(head, hidden.shape, need_hidden, need_weight, need_bias)
-    backward_rows(head, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy, group_name,
-                   temperature, ignore_index, rows, kernels, sink)
+    backward_rows(head, gradients, sink)
     return sink.results()
 
 
@@ -148,12 +212,6 @@ def backward_schedule(hidden, weight, keep_mask, need_hidden: bool, need_weight:
     return "tiles" if weight.dtype.itemsize < 4 and rows <= weight.shape[0] else "rows"
 
 
-def _head_rows(chunk_size: int, hidden, weight) -> int:
-    """Rows per chunk of the recomputing lm_head op: `chunk_size` (> 0), else `block_rows`."""
-    rows = math.prod(hidden.shape[:-1])
-    return block_rows(chunk_size, rows, weight.shape[0], weight.shape[1], hidden.dtype.itemsize)
-
-
 def _tile_columns(chunk_size: int, rows: int, vocab: int, hidden_size: int, itemsize: int) -> int:
     """Vocabulary entries per tile of `_head_backward_by_tiles`: the `[rows, tile]` logits within
     the floor's share (`block_rows` turned on its side; `chunk_size` > 0 caps it at as many
@@ -164,41 +222,29 @@ def _tile_columns(chunk_size: int, rows: int, vocab: int, hidden_size: int, item
     return chunk_sizes.even_panels(vocab, limit)
 
 
-def _head_backward_by_tiles(head: HeadLogits, hidden_shape, target, lse_lp, entropy, grad_logprob, grad_entropy,
-                            group_name: str, temperature: float, ignore_index: int | None, chunk_size: int,
-                            kernels: str, need_hidden: bool, need_bias: bool):
+def _head_backward_by_tiles(head: HeadLogits, hidden_shape, gradients: RowGradients, need_hidden: bool,
+                            need_bias: bool):
     """(dhidden, dweight, dbias) of the unmasked recomputing op, a vocabulary tile at a time: the
     tile's logits for all rows `h @ W[tile].T (+ b[tile])` (every row's statistics are known), the
     gradient kernel over them in place (targets shifted to the tile), then `dW[tile] = dl.T @ h`,
     complete in one GEMM of depth `rows` and written once in the weight's dtype (no `[V/tp, H]`
     accumulator), and `dh += dl @ W[tile]` into a `[rows, H]` accumulator (fp32 for a narrower
     dtype). No collective."""
-    _, rank, _ = rank_and_size(group_name)
     hidden, weight, bias = head.hidden, head.weight, head.bias
     rows, vocab = hidden.shape[0], weight.shape[0]
-    dtype = compute_dtype(hidden.dtype)
     acc = torch.promote_types(weight.dtype, torch.float32)
-    operands = GradRows(target, lse_lp, entropy, grad_logprob, grad_entropy, rank, vocab, ignore_index, dtype)
     dweight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     dhidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_hidden else None
     dbias = torch.empty(vocab, dtype=acc, device=weight.device) if need_bias and bias is not None else None
-    tile = _tile_columns(chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
-    store = hidden.new_empty(rows * min(tile, vocab))
-    kernel = compiled_kernel(chunk_grad_, kernels)
-    for start in range(0, vocab, tile):
-        stop = min(vocab, start + tile)
-        logits = store[:rows * (stop - start)].view(rows, stop - start)
-        w = weight[start:stop]
-        if bias is None:
-            torch.mm(hidden, w.t(), out=logits)
-        else:
-            torch.addmm(bias[start:stop], hidden, w.t(), out=logits)
-        kernel(logits, *operands.args(slice(None), start), temperature)
-        torch.mm(logits.t(), hidden, out=dweight[start:stop])
+    tile = _tile_columns(gradients.args.chunk_size, rows, vocab, weight.shape[1], hidden.dtype.itemsize)
+    for columns, logits in head.column_tiles(tile):
+        # Every row's statistics are known: the tile's logits become their gradient where they are.
+        gradients.of_chunk(slice(None), logits, in_place=True, column=columns.start)
+        torch.mm(logits.t(), hidden, out=dweight[columns])
         if dhidden is not None:
-            devices.mm_into(dhidden, logits, w, accumulate=start > 0)
+            devices.mm_into(dhidden, logits, weight[columns], accumulate=columns.start > 0)
         if dbias is not None:
-            torch.sum(logits, 0, dtype=acc, out=dbias[start:stop])
+            torch.sum(logits, 0, dtype=acc, out=dbias[columns])
     empty = hidden.new_empty
     return (empty((0,)) if dhidden is None else dhidden.to(hidden.dtype).view(hidden_shape), dweight,
             empty((0,)) if dbias is None else dbias.to(bias.dtype))
@@ -214,15 +260,12 @@ def _(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_l
 
 
 def _head_setup_context(ctx, inputs, output):
-    (hidden, weight, bias, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
-     chunk_size, kernels) = inputs
+    hidden, weight, bias, target, keep_mask = inputs[:5]
+    ctx.args = _head_op_args(*inputs[4:])
     logprob, entropy, lse_lp, lse_full = output
-    ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size = group_name, temperature, ignore_index, chunk_size
-    ctx.kernels = kernels
-    ctx.entropy_grad = with_entropy and entropy_grad
     ctx.save_for_backward(hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy)
     ctx.mark_non_differentiable(lse_lp, lse_full)
-    if not ctx.entropy_grad:
+    if not ctx.args.entropy_differentiable:
         ctx.mark_non_differentiable(entropy)
 
 
@@ -230,13 +273,14 @@ def _head_autograd_backward(ctx, grad_logprob, grad_entropy, _grad_lse_lp, _grad
     hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     need_bias = bool(need_bias and bias is not None)
-    if not ctx.entropy_grad:
+    args = ctx.args
+    if not args.entropy_differentiable:
         grad_entropy = None
     if not (need_hidden or need_weight or need_bias) or (grad_logprob is None and grad_entropy is None):
         return (None,) * 12
     dh, dw, db = _vocab_parallel_head_backward_op(
         hidden, weight, bias, target, keep_mask, lse_lp, lse_full, entropy, grad_logprob, grad_entropy,
-        ctx.group_name, ctx.temperature, ctx.ignore_index, ctx.chunk_size, ctx.kernels, bool(need_hidden),
+        args.group_name, args.temperature, args.ignore_index, args.chunk_size, args.kernels, bool(need_hidden),
         bool(need_weight), need_bias)
     return ((dh if need_hidden else None), (dw if need_weight else None), (db if need_bias else None)) + (None,) * 9
 

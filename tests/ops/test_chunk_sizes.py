@@ -41,8 +41,8 @@ def test_the_vocab_parallel_op_honours_chunk_budget_bytes(monkeypatch):
     caps the CPU chunk at 16 rows, a larger one leaves 25. Forward and backward chunk alike, and
     the values do not depend on the chunking."""
     seen = []
-    row_chunks = vp._row_chunks
-    monkeypatch.setattr(vp, "_row_chunks", lambda logits, chunk: (seen.append(chunk), row_chunks(logits, chunk))[1])
+    row_chunks = vp.row_chunks
+    monkeypatch.setattr(vp, "row_chunks", lambda logits, chunk: (seen.append(chunk), row_chunks(logits, chunk))[1])
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4096, 1024, generator=g)
     target = torch.randint(0, 1024, (4096,), generator=g)

@@ -208,15 +208,15 @@ def test_vocab_parallel_op_has_no_host_sync_on_the_accelerator_path(head):
         if head:
             hidden = torch.empty(T, H, device="meta", dtype=torch.bfloat16)
             weight = torch.empty(V, H, device="meta", dtype=torch.bfloat16)
-            logits = vocab_parallel.HeadLogits(hidden, weight, None)
+            logits = vocab_parallel_lm_head.HeadLogits(hidden, weight, None)
             sink = vocab_parallel_lm_head.HeadGradients(logits, hidden.shape, True, True, False)
         else:
-            logits = torch.empty(T, V, device="meta")
+            logits = vocab_parallel.ShardLogits(torch.empty(T, V, device="meta"))
             sink = lambda sl, chunk_grad: None  # noqa: E731
-        logprob, entropy, lse, _ = vocab_parallel.forward_statistics(logits, tokens, None, "", 0.7, True, None, 8,
-                                                                     "eager")
-        vocab_parallel.backward_rows(logits, tokens, None, lse, None, entropy, grad, grad, "", 0.7, None, 8,
-                                     "eager", sink)
+        args = vocab_parallel.VocabParallelArgs("", 0.7, None, 8, "eager", with_entropy=True)
+        logprob, entropy, lse, _ = vocab_parallel.forward_statistics(logits, tokens, None, args)
+        gradients = vocab_parallel.RowGradients(logits, tokens, None, lse, None, entropy, grad, grad, args)
+        vocab_parallel.backward_rows(logits, gradients, sink)
     assert logprob.device.type == "meta" and counter.syncs == []
     if head:
         assert [g.device.type for g in sink.results()[:2]] == ["meta", "meta"]
