@@ -75,14 +75,14 @@ from graphpass.ops.groups import rank_and_size
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.ops.vocab_parallel_gradients import block_rows, register_loss
 from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord, site_kind
+from graphpass.rewrite.loss_gradients import add_gradient_carrier, loss_coefficients
+from graphpass.rewrite.replaced_function import as_the_output_was
 
-# The single-device pass's loss coefficients and gradient carrier serve this op's loss math too.
-from .chunk_rowwise_regions import add_gradient_carrier, loss_coefficients
-from .fold_row_loops import fold_function_body, read_folded
+from . import fold_function_body, read_folded
 
 aten = torch.ops.aten
 
-__all__ = ["replace_vocab_parallel_functions_pass", "as_the_output_was"]
+__all__ = ["replace_vocab_parallel_functions_pass"]
 
 
 def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inputs, *, config,
@@ -95,7 +95,7 @@ def replace_vocab_parallel_functions_pass(gm: torch.fx.GraphModule, example_inpu
         hop = hop_of(stub)
         if hop.target is not _torch_api.autograd_function_apply():
             continue
-        match = _match_function(hop, stub)
+        match = _match_function(hop, stub, config)
         if not isinstance(match, (VocabParallelMatch, _OutputLayerFunction)):
             if match is not None:
                 record.rejected.append(Rejection(source_of(stub), match))
@@ -584,7 +584,7 @@ def _match_head(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
     return dataclasses.replace(head, logits=logits, bias=bias, nodes=[logits, matmul, *checks]), None
 
 
-def _match_function(hop, stub) -> VocabParallelMatch | _OutputLayerFunction | str | None:
+def _match_function(hop, stub, config) -> VocabParallelMatch | _OutputLayerFunction | str | None:
     """The match of the Function behind `stub`, else why it is kept (one line), or None for a
     Function with no collective that computes no log-prob or entropy: none of this pass's business."""
     forward = hop.bodies[0]
@@ -600,7 +600,7 @@ def _match_function(hop, stub) -> VocabParallelMatch | _OutputLayerFunction | st
         return match_forward(gm, outputs, _rank_and_size)
 
     match = read_folded(captured.gm, [t.meta["val"] for t in tensors], read,
-                        lambda m: not isinstance(m, str) or m == NOT_PARALLEL)
+                        lambda m: not isinstance(m, str) or m == NOT_PARALLEL, config=config)
     if match == NOT_PARALLEL:
         return None  # one device: replace_hand_written_functions' business
     if hop.unread is not None:
@@ -608,7 +608,7 @@ def _match_function(hop, stub) -> VocabParallelMatch | _OutputLayerFunction | st
     if isinstance(match, str):
         product = output_layer_inside(captured.gm)
         if product is not None:
-            return _match_output_layer(hop, stub, captured, product, n_outputs)
+            return _match_output_layer(hop, stub, captured, product, n_outputs, config)
         return f"vocab-parallel Function kept: {match}"
     # The forward's inputs are the stub's tensors, in order.
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
@@ -632,7 +632,7 @@ class _OutputLayerFunction:
 _OUTPUT_LAYER_KEPT = "vocab-parallel Function kept: it multiplies by the output layer itself (at {}), but {}"
 
 
-def _match_output_layer(hop, stub, captured, product, n_outputs) -> _OutputLayerFunction | str:
+def _match_output_layer(hop, stub, captured, product, n_outputs, config) -> _OutputLayerFunction | str:
     """The Function behind `stub`, whose forward computes its logits itself (`product`), read at
     those logits (`output_layer_function.cut_forward_at_logits`), else why it is kept.
 
@@ -648,7 +648,7 @@ def _match_output_layer(hop, stub, captured, product, n_outputs) -> _OutputLayer
         return _OUTPUT_LAYER_KEPT.format(where, "it writes into its inputs")
     read = capture(forward, vals).gm
     read_transposes(read, transposed_inputs(tensors))
-    fold_function_body(read, vals)
+    fold_function_body(read, vals, config=config)
     cut = cut_forward_at_logits(read, n_outputs)
     if isinstance(cut, str):
         return _OUTPUT_LAYER_KEPT.format(where, cut)
@@ -709,7 +709,7 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     not that of its values) stays as it is; so does code whose all-reduced values anything else
     reads (its collectives would still run beside the op's)."""
     match = match_graph(gm, _rank_and_size)
-    if isinstance(match, str) and match != NOT_PARALLEL and _fold_where_it_reads(gm, example_inputs):
+    if isinstance(match, str) and match != NOT_PARALLEL and _fold_where_it_reads(gm, example_inputs, config):
         match = match_graph(gm, _rank_and_size)
     if isinstance(match, str):
         # Collectives that compute no log-prob or entropy are none of this pass's business.
@@ -752,7 +752,7 @@ def _replace_inlined(gm, example_inputs, config, record) -> tuple | None:
     return (*built, function_forward)
 
 
-def _fold_where_it_reads(gm: torch.fx.GraphModule, example_inputs) -> bool:
+def _fold_where_it_reads(gm: torch.fx.GraphModule, example_inputs, config) -> bool:
     """Fold `gm`'s loops over chunks of rows, each chunk's all-reduces with them, where the folded
     graph reads as vocab-parallel math; True when folded, else `gm` is left as it is.
 
@@ -761,10 +761,10 @@ def _fold_where_it_reads(gm: torch.fx.GraphModule, example_inputs) -> bool:
     the op, or the ranks would issue different collectives. The chunks' own all-reduces, read by
     nothing once folded, go with them."""
     folded = copy_graph_module(gm)
-    fold_function_body(folded, example_inputs)
+    fold_function_body(folded, example_inputs, config=config)
     if isinstance(match_graph(folded, _rank_and_size), str):
         return False
-    fold_function_body(gm, example_inputs)
+    fold_function_body(gm, example_inputs, config=config)
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or (
         n.is_impure() and n.target not in _FOLDED_COLLECTIVES))
     gm.recompile()
@@ -799,21 +799,6 @@ def _replace_function(graph: torch.fx.Graph, stub, hop, match: VocabParallelMatc
                              set(hop.kwargs.get("non_differentiable_idx", ())), config, like=stub)
     graph.erase_node(stub)
     return built
-
-
-def as_the_output_was(node, results: dict, kind: str, want, non_differentiable: bool) -> torch.fx.Node:
-    """One output of a replaced Function, `kind` ("logprob", "-entropy", ..., "empty") made from
-    `results[kind without its sign]` with the shape and dtype of its value `want`, detached where
-    the Function marked it non-differentiable; `node(target, *args, **kwargs)` makes each node."""
-    if kind == EMPTY:
-        return node(aten.empty.memory_format, list(want.shape), dtype=want.dtype, device=want.device)
-    new = results[kind.lstrip("-")]
-    if kind.startswith("-"):
-        new = node(aten.neg.default, new)
-    new = node(aten.reshape.default, new, list(want.shape))
-    if new.meta["val"].dtype != want.dtype:
-        new = node(aten._to_copy.default, new, dtype=want.dtype)
-    return node(aten.detach.default, new) if non_differentiable else new
 
 
 def _mixed(node, results: dict, mix: tuple, want, non_differentiable: bool) -> torch.fx.Node:
