@@ -3,6 +3,8 @@
 Module `<effect>.py` defines `<effect>_pass(gm, example_inputs, *, config, record) -> gm`.
 `PASS_NAMES` is the order the pipeline runs them in. It is plain data, so `graphpass.config` can
 check `Config.disable_passes` against it without importing torch; `registry()` imports the passes.
+A pass never imports another: where the Function passes read a hand-written `autograd.Function`'s
+body, they have it folded by `fold_function_body`, the named sub-pipeline `FUNCTION_BODY_PASSES`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ PASS_NAMES = (
     "localize_cp_reductions_pass",  # CP: reductions of unshard(y) -> local reductions + one sum over ranks
 )
 
-__all__ = ["PASS_NAMES", "Pass", "check_pass_names", "registry", *PASS_NAMES]
+#: What `fold_function_body` runs on a captured `autograd.Function` body, in order: (the pipeline
+#: pass each step is, whose name in `Config.disable_passes` skips the step too, the function of that
+#: pass's module that the step runs).
+FUNCTION_BODY_PASSES = (
+    ("sink_row_slices_pass", "sink_row_slices_pass"),
+    ("index_rows_as_gather_pass", "index_rows_as_gather_pass"),
+    ("fold_row_loops_pass", "fold_function_body_loops"),  # each chunk's all-reduces fold with it
+)
+
+__all__ = ["FUNCTION_BODY_PASSES", "PASS_NAMES", "Pass", "check_pass_names", "fold_function_body", "read_folded",
+           "registry", *PASS_NAMES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +69,44 @@ def registry() -> tuple[Pass, ...]:
     return tuple(Pass(number, name, _load(name)) for number, name in enumerate(PASS_NAMES, start=1))
 
 
-def _load(name: str) -> Callable:
+def fold_function_body(gm, example_inputs, *, config) -> None:
+    """An `autograd.Function`'s captured body as one computation over all rows, to be read (never
+    run as it is): the chunk loops a hand-written kernel runs over its rows folded as the pipeline
+    folds inline loops (`FUNCTION_BODY_PASSES`: slices sunk, `x[arange(rows), t]` a gather, then
+    the loops), each chunk's all-reduces of its rows' statistics with them (an all-reduce is
+    elementwise across ranks); a step whose pass `config.disable_passes` names is skipped. Its
+    metadata checks, which would keep each chunk's slice alive, go first."""
+    from graphpass.analysis.lm_head import METADATA_CHECKS
+    from graphpass.records import GraphRecord
+
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in METADATA_CHECKS:
+            gm.graph.erase_node(node)
+    for name, step in FUNCTION_BODY_PASSES:
+        if name not in config.disable_passes:
+            # What a step cannot rewrite it leaves, and the readers of the body say why they stop:
+            # its record is thrown away.
+            _load(name, step)(gm, example_inputs, config=config, record=GraphRecord(index=-1))
+    gm.recompile()
+
+
+def read_folded(gm, example_inputs, read, understood, *, config):
+    """`read(gm)` of an `autograd.Function`'s captured body as written, or, where that is not
+    `understood`, of the body with its chunk loops folded (`fold_function_body`, which changes
+    `gm`): what the code says as written stays read so (a fold may rewrite an index into a
+    form a reader knows less well), and a loop over chunks is read as one computation."""
+    first = read(gm)
+    if understood(first):
+        return first
+    fold_function_body(gm, example_inputs, config=config)
+    return read(gm)
+
+
+def _load(name: str, attribute: str | None = None) -> Callable:
+    """Pass `name`'s function, or the function `attribute` of its module."""
     # Relative to this package, so it works under whichever name the package was imported.
     module = importlib.import_module(f"{__name__}.{name.removesuffix('_pass')}")
-    return getattr(module, name)
+    return getattr(module, attribute or name)
 
 
 def __getattr__(name: str):

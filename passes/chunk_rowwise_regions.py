@@ -23,7 +23,7 @@ import operator
 
 import torch
 
-from graphpass._torch_api import (detect_fake_mode, fake_node, float64_tensor_node, known_equal, new_fake_mode,
+from graphpass._torch_api import (detect_fake_mode, float64_tensor_node, known_equal, new_fake_mode,
                                   same_size, size_hint, stable_topological_sort)
 from graphpass.analysis import rowlocal
 from graphpass.analysis.grad_flow import grad_flows, grad_modes
@@ -35,6 +35,7 @@ from graphpass.ops.chunked_op import BCAST, ROW, SCALAR, WIDE, InputSpec, Output
 from graphpass.ops.head_matmul import HeadSpec
 from graphpass.ops.lm_head import LinearHeadProgram
 from graphpass.records import REPLACED_FUNCTION, OutputRecord, Rejection, SiteRecord, site_kind
+from graphpass.rewrite.loss_gradients import add_gradient_carrier, loss_coefficients
 
 log = logging.getLogger("graphpass")
 aten = torch.ops.aten
@@ -455,40 +456,6 @@ def _replace(graph, site: _Site, replaced: dict):
         # the logits' metadata checks, then the matmul; the weight's `t` is dead code
         for node in reversed(fused.nodes):
             graph.erase_node(node)
-
-
-def loss_coefficients(graph, loss: SummedLoss, fake_mode, replaced) -> list:
-    """Nodes computing each total's coefficient in the sink, d sink / d total, by reverse mode over
-    the affine steps from the factors outside the region (the op's seeds: what autograd would
-    send each total for a sink gradient of 1)."""
-    sink = loss.sink.meta["val"]
-    adjoint = {loss.sink: fake_node(graph, fake_mode, aten.scalar_tensor.default, (1.0,),
-                                    dict(dtype=sink.dtype, device=sink.device))}
-    for node, operand, step in reversed(loss.affine):
-        if node not in adjoint:
-            continue
-        g = adjoint[node]
-        if step[0] == "neg":
-            g = fake_node(graph, fake_mode, aten.neg.default, (g,))
-        elif step[0] in ("mul", "div"):
-            factor = replaced.get(step[1], step[1]) if isinstance(step[1], torch.fx.Node) else step[1]
-            g = fake_node(graph, fake_mode, aten.mul.Tensor if step[0] == "mul" else aten.div.Tensor, (g, factor))
-        dtype = operand.meta["val"].dtype  # "one" and "cast": the same gradient, in the operand's dtype
-        if g.meta["val"].dtype != dtype:
-            g = fake_node(graph, fake_mode, aten._to_copy.default, (g,), dict(dtype=dtype))
-        adjoint[operand] = g if operand not in adjoint else fake_node(graph, fake_mode, aten.add.Tensor,
-                                                                      (adjoint[operand], g))
-    return [adjoint[t] for t in loss.totals]
-
-
-def add_gradient_carrier(graph, sink, carrier, fake_mode) -> None:
-    """`sink + carrier` in place of `sink` for every reader: the carrier is the op's -0.0 (the sum
-    is `sink` exactly, whatever its value) whose gradient, the sink's, scales the op's gradients."""
-    with graph.inserting_after(sink):
-        if carrier.meta["val"].dtype != sink.meta["val"].dtype:  # the first total's dtype
-            carrier = fake_node(graph, fake_mode, aten._to_copy.default, (carrier,), dict(dtype=sink.meta["val"].dtype))
-        total = fake_node(graph, fake_mode, aten.add.Tensor, (sink, carrier), like=sink)
-    sink.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
 
 def _needs_grad(nodes, gradient_free=()) -> list[bool]:

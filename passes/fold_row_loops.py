@@ -41,16 +41,11 @@ from graphpass._torch_api import (detect_fake_mode, fake_node, functional_collec
 from graphpass.fx_utils import hashable
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import grad_modes
-from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.rowlocal import clamp_index, slice_span
-from graphpass.records import GraphRecord
-
-from .index_rows_as_gather import index_rows_as_gather_pass
-from .sink_row_slices import sink_row_slices_pass
 
 aten = torch.ops.aten
 
-__all__ = ["fold_row_loops_pass", "fold_function_body", "read_folded"]
+__all__ = ["fold_row_loops_pass", "fold_function_body_loops"]
 
 
 def fold_row_loops_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
@@ -59,32 +54,12 @@ def fold_row_loops_pass(gm: torch.fx.GraphModule, example_inputs, *, config, rec
     return gm
 
 
-def read_folded(gm: torch.fx.GraphModule, example_inputs, read, understood):
-    """`read(gm)` of an `autograd.Function`'s captured body as written, or, where that is not
-    `understood`, of the body with its chunk loops folded (`fold_function_body`, which changes
-    `gm`): what the code says as written stays read so (a fold may rewrite an index into a
-    form a reader knows less well), and a loop over chunks is read as one computation."""
-    first = read(gm)
-    if understood(first):
-        return first
-    fold_function_body(gm, example_inputs)
-    return read(gm)
-
-
-def fold_function_body(gm: torch.fx.GraphModule, example_inputs) -> None:
-    """An `autograd.Function`'s captured body as one computation over all rows, to be read (never
-    run as it is): the chunk loops a hand-written kernel runs over its rows folded as the pipeline
-    folds inline loops (slices sunk, `x[arange(rows), t]` a gather, then the loops), each chunk's
-    all-reduces of its rows' statistics with them (an all-reduce is elementwise across ranks).
-    Its metadata checks, which would keep each chunk's slice alive, go first."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in METADATA_CHECKS:
-            gm.graph.erase_node(node)
-    sink_row_slices_pass(gm, example_inputs, config=None, record=None)
-    # What it cannot rewrite it leaves, and the readers of the body say why they stop.
-    index_rows_as_gather_pass(gm, example_inputs, config=None, record=GraphRecord(index=-1))
+def fold_function_body_loops(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:
+    """`fold_row_loops_pass` on an `autograd.Function`'s captured body (`graphpass.passes.fold_function_body`):
+    its iterations may all-reduce their rows' values, and a weight gradient summed over its chunks
+    is one product."""
     _fold_loops(gm.graph, collectives=True)
-    gm.recompile()
+    return gm
 
 
 def _fold_loops(graph, collectives: bool) -> None:

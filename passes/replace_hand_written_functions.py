@@ -8,7 +8,7 @@ backward is their gradient (`graphpass.analysis.backward_check`, a float64 probe
 the Function becomes `log_softmax(logits.float() / t).gather(...)` and `-(p * logp).sum(-1)`:
 the chunk pass then rewrites it like any other such math, the lm_head fused where its matmul is
 in the graph. Its bodies are read as written, then with their chunk loops over rows folded
-(`fold_row_loops.read_folded`).
+(`graphpass.passes.read_folded`).
 
 A Function that multiplies by the output layer itself (`z = hidden @ W.T (+ b)` inside, whole,
 chunk by chunk or a vocabulary block at a time) is read at its logits (`output_layer_function.cut_at_logits`): when its
@@ -40,9 +40,9 @@ from graphpass.analysis.vocab_parallel import match_single_device
 from graphpass.capture import CantCapture, capture, hop_of
 from graphpass.fx_utils import target_name, transitive_inputs
 from graphpass.records import REPLACED_FUNCTION, Rejection
+from graphpass.rewrite.replaced_function import as_the_output_was
 
-from .fold_row_loops import fold_function_body, read_folded
-from .replace_vocab_parallel_functions import as_the_output_was
+from . import fold_function_body, read_folded
 
 aten = torch.ops.aten
 log = logging.getLogger("graphpass")
@@ -59,7 +59,7 @@ def replace_hand_written_functions_pass(gm: torch.fx.GraphModule, example_inputs
         if hop.target is not _torch_api.autograd_function_apply():
             continue
         try:
-            found = _match(hop, stub)
+            found = _match(hop, stub, config)
         except Exception as e:  # noqa: BLE001 - a Function this pass cannot read stays as it is
             log.debug("graphpass: reading the Function at %s failed", source_of(stub), exc_info=True)
             found = f"graphpass could not read it ({type(e).__name__})"
@@ -79,7 +79,7 @@ def replace_hand_written_functions_pass(gm: torch.fx.GraphModule, example_inputs
     return gm
 
 
-def _match(hop, stub):
+def _match(hop, stub, config):
     """(match, outer logits, outer target) for a Function to replace; why it stays (one line);
     or None when it is none of this pass's business (collectives, or no log-prob or entropy)."""
     forward, backward = hop.bodies[0], hop.bodies[1]
@@ -98,7 +98,7 @@ def _match(hop, stub):
         return list(captured.gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
 
     match = read_folded(captured.gm, vals, lambda gm: match_single_device(gm, outputs()),
-                        lambda m: m is not None and not isinstance(m, str))
+                        lambda m: m is not None and not isinstance(m, str), config=config)
     if match is None or isinstance(match, str):
         product = output_layer_inside(captured.gm)
         if product is None:
@@ -107,7 +107,7 @@ def _match(hop, stub):
             return None  # a vocab-parallel lm_head Function: replace_vocab_parallel_functions reads it
         if hop.mutates_inputs or captured.mutated_inputs:
             return _OUTPUT_LAYER_KEPT.format(source_of(product), "it writes into its inputs")
-        return _match_output_layer(hop, product, tensors, vals, [o.meta["val"] for o in outputs()], n_saved)
+        return _match_output_layer(hop, product, tensors, vals, [o.meta["val"] for o in outputs()], n_saved, config)
     what = " and ".join(k for k in ("log-prob", "entropy") if any(k.replace("-", "") in o for o in match.outputs))
     kept = f"its forward computes the {what} of its logits, but "
     if hop.mutates_inputs or captured.mutated_inputs:
@@ -133,7 +133,7 @@ def _match(hop, stub):
         except Exception as e:  # noqa: BLE001 - what the check cannot read keeps the Function
             return f"the check failed on its code ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
-    why = read_folded(joint.gm, vals + grads, check, lambda why: why is None)
+    why = read_folded(joint.gm, vals + grads, check, lambda why: why is None, config=config)
     if why is not None:
         return kept + f"its hand-written backward is unchecked: {why}; write the math without the Function " \
                       "(torch.log_softmax(logits, -1).gather(...)) to have it chunked"
@@ -146,7 +146,7 @@ _OUTPUT_LAYER_KEPT = ("its forward computes logits from its inputs itself (the o
                       "to have the lm_head fused")
 
 
-def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
+def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved, config):
     """(match, logits, target, non-differentiable, head) for a Function that multiplies by the
     output layer itself, read at its logits (`output_layer_function.cut_at_logits`) and its
     backward checked there; else why it is kept."""
@@ -163,7 +163,7 @@ def _match_output_layer(hop, product, tensors, vals, output_vals, n_saved):
     why = fold_weight_blocks(joint.gm, len(vals), len(output_vals))
     if why is not None:
         return _OUTPUT_LAYER_KEPT.format(where, why)
-    fold_function_body(joint.gm, vals + grads)
+    fold_function_body(joint.gm, vals + grads, config=config)
     cut = cut_at_logits(joint.gm, vals, len(output_vals))
     if isinstance(cut, str):
         return _OUTPUT_LAYER_KEPT.format(where, cut)

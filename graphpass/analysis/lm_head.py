@@ -45,8 +45,6 @@ class LmHead:
     output (the weight's transpose, a view, goes with dead-code elimination)."""
 
 
-
-
 def is_matrix_transpose(node) -> bool:
     """`x.T` of a 2-d `x`: `t`, `transpose(0, 1)` or `permute([1, 0])`."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES):
@@ -209,3 +207,53 @@ def not_computed_here(logits: torch.fx.Node) -> str:
     else:
         outside = f"Dynamo broke the graph at {where[0]}" + (f": {where[1]}" if where[1] else "")
     return f"the logits come from outside this graph ({outside}); compile a function that computes them from the hidden states"
+
+
+#: Reshapes of the logits that, keeping their last dim, keep their rows in order: the same reshape
+#: of the hidden states gives the same rows (slime hands megatron-core's fused loss `logits[:, None]`).
+ROW_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                aten.squeeze.dim, aten.squeeze.dims}
+
+
+def match_head_behind(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:
+    """`match_matmul(logits)`, or `hidden @ W.T + b` written as an addition of a `[V/tp]` bias to
+    an unbiased matmul that nothing else reads, or a reshape that keeps the last dim of either
+    (`[B, S, V/tp]` to `[B * S, V/tp]`, `[T, V/tp]` to `[T, 1, V/tp]`: the same rows in the same order, as
+    for the hidden states).
+    `head.logits` is `logits`; `head.nodes` every node the op replaces, with their metadata checks."""
+    head, why = match_matmul(logits)
+    if head is not None or why is not None:
+        return head, why
+    if logits.op == "call_function" and logits.target in ROW_RESHAPES and isinstance(logits.args[0], torch.fx.Node):
+        source = logits.args[0]
+        val, src_val = logits.meta.get("val"), source.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor) and val.ndim >= 2
+                and src_val.ndim >= 2 and known_equal(val.shape[-1], src_val.shape[-1])):
+            return None, None
+        head, why = match_head_behind(source)
+        if head is None:
+            return None, why
+        checks, why = other_readers(source, {logits}, "the reshape of its logits")
+        if why is not None:
+            return None, why
+        return dataclasses.replace(head, logits=logits, nodes=[logits, *head.nodes, *checks]), None
+    if not (logits.op == "call_function" and logits.target is aten.add.Tensor and len(logits.args) == 2
+            and not logits.kwargs):
+        return None, None
+    for matmul, bias in (logits.args, logits.args[::-1]):
+        if isinstance(matmul, torch.fx.Node) and isinstance(bias, torch.fx.Node):
+            head, why = match_matmul(matmul)
+            if head is not None or why is not None:
+                break
+    else:
+        return None, None
+    if head is None:
+        return None, why
+    if head.bias is not None:
+        return None, "its logits add a second bias to a biased matmul"
+    if not is_vocab_bias(logits, matmul, bias):
+        return None, "the value added to its matmul is not one bias per vocabulary entry in the logits' dtype"
+    checks, why = other_readers(matmul, {logits}, "the bias's addition")
+    if why is not None:
+        return None, f"its matmul (before the bias) {why.removeprefix('its logits ')}"
+    return dataclasses.replace(head, logits=logits, bias=bias, nodes=[logits, matmul, *checks]), None

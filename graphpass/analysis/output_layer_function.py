@@ -27,6 +27,7 @@ from graphpass._torch_api import detect_fake_mode, fake_node, functional_collect
 from graphpass.analysis import catalogue
 from graphpass.analysis.lm_head import LmHead, is_matrix_transpose, is_vocab_bias, match_matmul
 from graphpass.analysis.vocab_blocks import tiles
+from graphpass.analysis.vocab_parallel import VocabParallelMatch
 from graphpass.fx_utils import hashable, is_floating, target_name, transitive_inputs, transitive_users
 
 aten = torch.ops.aten
@@ -505,6 +506,18 @@ class ForwardCut:
     """`(logits, *other inputs) -> outputs`: the forward from the math's logits on."""
     other_positions: list[int]
     """The Function's input position of each of `logits_forward`'s inputs after the logits."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelOutputLayerFunction:
+    """A vocab-parallel Function that multiplies by this rank's weight shard itself (NeMo-RL's
+    `ChunkedDistributedHiddenStatesToLogprobs`), read at its logits."""
+
+    match: VocabParallelMatch
+    """The math from its logits on (`logits` None until they are emitted; `target` the caller's)."""
+    cut: ForwardCut
+    hidden_gradient: str
+    """What its backward does with the hidden states' gradient: "reduce_scatter", "all_reduce", "local"."""
 
 
 def cut_forward_at_logits(forward: torch.fx.GraphModule, n_outputs: int) -> ForwardCut | str:

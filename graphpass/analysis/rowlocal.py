@@ -27,8 +27,9 @@ aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where a tensor's rows are: ROW ([*rows] or [*rows, width]), BCAST, or TRANSPOSED."""
+class RegionLayout:
+    """How a tensor lies over a region's rows: ROW ([*rows] or [*rows, width]), BCAST, or TRANSPOSED
+    (not to be confused with `graphpass.cp.Layout`, how rows lie over context-parallel ranks)."""
 
     kind: Role
     width: object  # int or SymInt
@@ -38,20 +39,20 @@ class Layout:
 ROW, BCAST, TRANSPOSED = Role.ROW, Role.BCAST, Role.TRANSPOSED
 
 
-def layout_of(val, rows) -> Layout | None:
+def layout_of(val, rows) -> RegionLayout | None:
     """Classify a fake tensor relative to a region with `rows` rows; None if neither."""
     if not isinstance(val, torch.Tensor):
         return None
     shape = val.shape
     if len(shape) == 0:
-        return Layout(BCAST, 1, 0)
+        return RegionLayout(BCAST, 1, 0)
     lead = math.prod(shape[:-1]) if len(shape) > 1 else 1
     if known_equal(lead, rows):
-        return Layout(ROW, shape[-1], len(shape) - 1)
+        return RegionLayout(ROW, shape[-1], len(shape) - 1)
     if known_equal(math.prod(shape), rows):
-        return Layout(ROW, 1, len(shape))
+        return RegionLayout(ROW, 1, len(shape))
     if known_equal(lead, 1):
-        return Layout(BCAST, shape[-1], len(shape) - 1)
+        return RegionLayout(BCAST, shape[-1], len(shape) - 1)
     return None
 
 
@@ -68,10 +69,10 @@ def _is_vocab_to_dim1(node, rows) -> bool:
             and src_layout.kind == ROW and src_layout.row_dims == 2)
 
 
-def node_layout(node, rows) -> Layout | None:
+def node_layout(node, rows) -> RegionLayout | None:
     """`layout_of` a node's value, recognising a transposed loss input (see the module docstring)."""
     if _is_vocab_to_dim1(node, rows):
-        return Layout(TRANSPOSED, node.meta["val"].shape[1], 2)
+        return RegionLayout(TRANSPOSED, node.meta["val"].shape[1], 2)
     return layout_of(value_or_constant(node), rows)
 
 
@@ -139,7 +140,7 @@ def _last_dim(dim, ndim) -> bool:
 
 
 
-def operand_role(operand_val, out_val, out_layout: Layout) -> Role | None:
+def operand_role(operand_val, out_val, out_layout: RegionLayout) -> Role | None:
     """How a pointwise operand lines up with the op's output rows: ROW, BCAST, or None."""
     if not isinstance(operand_val, torch.Tensor) or operand_val.ndim == 0:
         return BCAST
@@ -157,7 +158,7 @@ def operand_role(operand_val, out_val, out_layout: Layout) -> Role | None:
 def check(node, rows, layouts: dict) -> str | None:
     """Why `node` is not row-local in a region of `rows` rows, or None if it is.
 
-    `layouts` maps already-classified nodes to their Layout (inputs classify on demand).
+    `layouts` maps already-classified nodes to their RegionLayout (inputs classify on demand).
     """
     target = node.target
     if node.op != "call_function":

@@ -538,23 +538,22 @@ def _swept_source(program: _Program, outputs: list, stores: list) -> str:
     return header + "\n".join("    " + line for line in lines) + "\n"
 
 
+#: A program's block of BM rows, `row_ok` masking those past T, as `_HEADER` starts its kernel.
+_ROW_BLOCK = """    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+"""
 _SPLIT_HEADER = """
 
 @triton.jit
 def partial({params}, P_ptr, T, V, SPLIT_COLUMNS, BM: tl.constexpr, BV: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
-    row_ok = rows < T
-    r64 = rows.to(tl.int64)
-    first = tl.program_id(1) * SPLIT_COLUMNS
+""" + _ROW_BLOCK + """    first = tl.program_id(1) * SPLIT_COLUMNS
 """
 _COMBINE_HEADER = """
 
 @triton.jit
 def combine({params}, P_ptr, T, V, S, BM: tl.constexpr, BV: tl.constexpr):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)[:, None]
-    row_ok = rows < T
-    r64 = rows.to(tl.int64)
-"""
+""" + _ROW_BLOCK
 
 
 def _split_source(program: _Program, outputs: list) -> str | None:

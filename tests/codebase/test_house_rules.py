@@ -1,6 +1,7 @@
 """Rules of the codebase that a reviewer would otherwise check by hand (issue 23): private torch
 symbols live in `graphpass/_torch_api.py` alone, and no module (the benchmarks' included) imports
-another's private name."""
+another's private name; no pass imports another (issue 48): what passes share lives in
+`graphpass/`, and the registry (`passes/__init__.py`) alone runs passes."""
 
 from __future__ import annotations
 
@@ -35,3 +36,33 @@ def test_no_private_name_imported_across_modules():
                 found += [f"{p.relative_to(ROOT)}:{node.lineno}: from {node.module or '.'} import {a.name}"
                           for a in node.names if a.name.startswith("_") and a.name != "_torch_api"]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_no_pass_imports_another():
+    passes = sorted(p for p in ROOT.glob("passes/*.py") if p.name != "__init__.py")
+    modules = {p.stem for p in passes}
+    from graphpass.passes import PASS_NAMES
+    packages = ("graphpass.passes", "passes")
+
+    def imported(node):
+        """(module, names) pairs a pass module's import statement names, packages spelled absolute."""
+        if isinstance(node, ast.Import):
+            return [(a.name, []) for a in node.names]
+        if node.level:
+            return [(".".join(filter(None, ("graphpass.passes", node.module))), [a.name for a in node.names])]
+        return [(node.module, [a.name for a in node.names])]
+
+    found = []
+    for p in passes:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for module, names in imported(node):
+                if module in packages:  # the registry: its helpers, not its passes or their modules
+                    bad = [f"{module}.{n}" for n in names if n in modules or n in PASS_NAMES]
+                elif module.startswith(tuple(f"{package}." for package in packages)):
+                    bad = [module]
+                else:
+                    bad = []
+                found += [f"{p.relative_to(ROOT)}:{node.lineno}: imports {b}" for b in bad]
+    assert not found, "a pass imports another pass:\n" + "\n".join(found)

@@ -12,6 +12,7 @@ import torch
 import graphpass
 import graphpass.passes as passes
 from graphpass import pipeline
+from graphpass.capture import capture_function
 from graphpass.records import GraphRecord
 
 
@@ -69,3 +70,20 @@ def test_a_failing_pass_is_named(monkeypatch):
 
     torch.compile(lambda x: (x.sin(),), backend=backend)(torch.randn(3))
     assert captured == ["pass 2 broken_pass failed: RuntimeError: boom"]
+
+
+def test_function_body_sub_pipeline_runs_registered_passes_and_honours_disable_passes():
+    """`fold_function_body` runs `FUNCTION_BODY_PASSES`, each a step of a registered pass, and skips
+    the steps whose pass `disable_passes` names: here `x[arange(T), t]` becomes a gather or stays."""
+    assert all(name in passes.PASS_NAMES for name, _ in passes.FUNCTION_BODY_PASSES)
+
+    def picked(logits, target):
+        return torch.log_softmax(logits, -1)[torch.arange(logits.shape[0]), target]
+
+    def indexes(config) -> bool:
+        c = capture_function(picked, torch.randn(6, 5), torch.randint(0, 5, (6,)))
+        passes.fold_function_body(c.gm, c.fakes, config=config)
+        return bool(c.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.index.Tensor))
+
+    assert not indexes(graphpass.Config())
+    assert indexes(graphpass.Config(disable_passes=("index_rows_as_gather_pass",)))
