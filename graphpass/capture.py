@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -165,13 +166,13 @@ def aliases_of(node: torch.fx.Node) -> set:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
+class _Tensor(NamedTuple):
+    """A Function argument that is the call's `position`-th tensor."""
     position: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _Submodule:
+class _Submodule(NamedTuple):
+    """A Function argument that is the graph's submodule `name`."""
     name: str
 
 
