@@ -15,7 +15,7 @@ import torch
 
 from graphpass.cli import main, parse_input
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 PPO = os.path.join(ROOT, "examples", "ppo_loss.py")
 SMALL = ["--input", "logits=64x128:bfloat16", "--input", "tokens=64:int64", "--input", "old_logp=64",
          "--input", "advantages=64", "--input", "mask=64", "--arg", "temperature=0.7"]

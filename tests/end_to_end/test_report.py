@@ -153,7 +153,7 @@ def test_explain_returns_the_report_the_cli_renders():
 
     import graphpass
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
     from examples.ppo_loss import example_inputs, ppo_loss
 
     torch.compiler.reset()

@@ -209,7 +209,7 @@ def test_generated_kernels_compile_for_hopper_and_blackwell_without_spills():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
     done = subprocess.run([sys.executable, "-c", _CROSS_COMPILE], env=env, cwd=root, capture_output=True,
                           text=True, timeout=900)

@@ -16,7 +16,7 @@ from graphpass import _torch_api, memory
 from graphpass.capture import capture
 from graphpass.records import GraphRecord, OutputRecord, SiteRecord
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 sys.path.insert(0, ROOT)
 from examples.ppo_loss import ppo_loss  # noqa: E402
 
