@@ -31,8 +31,8 @@ from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives, run_ranks
 import spawned  # tests/ is on sys.path
 from bench.workloads.tp_losses import (megatron_fused_logprob, megatron_logprob, ppo_loss, slime_style_logprob_entropy,
-from helpers import mixed_error  # tests/ is on sys.path
                                        verl_style_entropy)
+from helpers import mixed_error  # tests/ is on sys.path
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
