@@ -398,6 +398,48 @@ def new_fake_mode(allow_real_tensors: bool = False):
     return FakeTensorMode(allow_non_fake_inputs=allow_real_tensors)
 
 
+def size_symbol(size):
+    """The symbol a size is (`s27`), or None for an int or an expression of several symbols."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+        return size.node.expr
+    return None
+
+
+def size_at(size, at: dict | None = None) -> int:
+    """A size (an int or a SymInt) as an int: its example value, with the symbols that are keys of
+    `at` at the values given there; raises ValueError where it has no example value."""
+    if isinstance(size, int):
+        return size
+    if not at:
+        return int(guarding_hint_or_throw(size))
+    import sympy
+
+    env = size.node.shape_env  # torch >= 2.13 names the example values backed_var_to_val
+    known = dict(getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {}))
+    known.update({symbol: sympy.Integer(value) for symbol, value in at.items()})
+    value = size.node.expr.xreplace(known)
+    if not value.is_number:
+        raise ValueError(f"the size {size} has no example value")
+    return int(value)
+
+
+def fakes_at_sizes(values, at: dict | None = None) -> list:
+    """`values` (fake tensors and sizes, possibly symbolic) with every size an int (`size_at`):
+    contiguous fake tensors of one fresh fake mode, of the same dtypes, devices and requires_grad."""
+    mode = new_fake_mode()
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            with mode:
+                t = torch.empty([size_at(s, at) for s in v.shape], dtype=v.dtype, device=v.device)
+            out.append(t.requires_grad_(v.requires_grad))
+        elif isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+            out.append(size_at(v, at))
+        else:
+            out.append(v)
+    return out
+
+
 def is_fake(x) -> bool:
     """True for a fake tensor (one that has no data)."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -7,7 +7,8 @@ live in subgraphs (a user `autograd.Function` with its own backward, a checkpoin
 1. Checkpoint and `wrap` bodies are inlined: they mean their body (checkpointing changes what
    autograd saves, never a value or a gradient), and our chunked op recomputes anyway.
 2. Every other higher-order op becomes an opaque stub, `graphpass::opaque`, whose fake runs the
-   op itself; the passes see one node that reads tensors and makes tensors, and never look in.
+   op itself; the passes see one node that reads tensors (and the symbolic sizes Dynamo passes
+   the op where shapes are dynamic) and makes tensors, and never look in.
 3. The graph is functionalized by AOTAutograd's export (`slice_scatter` instead of `setitem`,
    `exp` instead of `exp_`), keeping grad-mode changes as `_set_grad_enabled` nodes and each
    node's stack trace. Functional `copy` (from `copy_`) becomes differentiable ops.
@@ -48,7 +49,7 @@ class _Hop:
     """A higher-order op hidden behind a stub: how to call it again."""
 
     target: object
-    args: tuple  # the HOP's args; tensor arguments replaced by their position among `tensors`
+    args: tuple  # the HOP's args; tensors and sizes replaced by their position among the stub's
     kwargs: dict
     submodules: dict  # get_attr name -> module, for subgraph arguments
     mutates_inputs: str | None = None  # that its forward writes into its inputs (it goes back on clones)
@@ -58,6 +59,17 @@ class _Hop:
     def bodies(self) -> list:
         """Its subgraphs, in argument order (an autograd.Function's: forward, backward)."""
         return [self.submodules[a.name] for a in self.args if isinstance(a, _Submodule)]
+
+    def operands(self, stub: torch.fx.Node) -> list:
+        """The graph values the op passes its bodies, in order, in `stub`'s graph: its tensors and
+        sizes (a size is a node or an int); an autograd.Function's forward body reads them as its
+        inputs, one placeholder each."""
+        return [_argument(a, stub.args[1], stub.args[2]) for a in self.args if isinstance(a, (_Tensor, _Symbol))]
+
+    def tensor_position(self, operand: int) -> int | None:
+        """The position among the stub's tensors of its `operand`-th operand; None for a size."""
+        a = [a for a in self.args if isinstance(a, (_Tensor, _Symbol))][operand]
+        return a.position if isinstance(a, _Tensor) else None
 
 
 @dataclasses.dataclass
@@ -79,20 +91,18 @@ class Captured:
         graph = gm.graph
         for node in list(graph.find_nodes(op="call_function", target=_opaque_op())):
             hop = self.hops[node.args[0]]
-            tensors = node.args[1]
+            tensors, symbols = node.args[1], node.args[2]
             if hop.mutates_inputs and not for_analysis:
                 tensors = _clones_of_written(graph, node, hop)
             with graph.inserting_before(node):
                 args = []
                 for a in hop.args:
-                    if isinstance(a, _Tensor):
-                        args.append(tensors[a.position])
-                    elif isinstance(a, _Submodule):
+                    if isinstance(a, _Submodule):
                         if not hasattr(gm, a.name):
                             gm.add_submodule(a.name, hop.submodules[a.name])
                         args.append(graph.get_attr(a.name))
                     else:
-                        args.append(a)
+                        args.append(_argument(a, tensors, symbols))
                 call = graph.call_function(hop.target, tuple(args), dict(hop.kwargs))
             call.meta.update(node.meta)
             node.replace_all_uses_with(call)
@@ -109,13 +119,15 @@ def _clones_of_written(graph: torch.fx.Graph, stub: torch.fx.Node, hop: _Hop) ->
     before it; raises CantCapture where the graph reads such a tensor (or an alias of it) after
     the stub: it would read the written value in eager, the value before the write here."""
     tensors = list(stub.args[1])
-    written = written_inputs(hop.bodies[0])
-    reader = later_reader(graph, stub, tensors, written)
+    written = written_inputs(hop.bodies[0])  # positions among the operands, sizes included
+    reader = later_reader(graph, stub, hop.operands(stub), written)
     if reader is not None:
         raise CantCapture(f"{hop.mutates_inputs}: {reader} after it")
     fake_mode = _torch_api.detect_fake_mode([t.meta["val"] for t in tensors if "val" in t.meta])
-    for position in (range(len(tensors)) if written is None else sorted(written)):
-        if position < len(tensors):
+    n_operands = len(hop.operands(stub))
+    for operand in (range(n_operands) if written is None else sorted(written)):
+        position = hop.tensor_position(operand) if operand < n_operands else None
+        if position is not None:
             with graph.inserting_before(stub):
                 tensors[position] = _torch_api.fake_node(graph, fake_mode, aten.clone.default, (tensors[position],),
                                                          {}, like=tensors[position])
@@ -123,14 +135,15 @@ def _clones_of_written(graph: torch.fx.Graph, stub: torch.fx.Node, hop: _Hop) ->
 
 
 def later_reader(graph: torch.fx.Graph, stub: torch.fx.Node, tensors: list, written: set | None) -> str | None:
-    """What reads, after `stub`, one of `tensors` at the positions `written` (None: every one) or an
-    alias of it: "its input X, which the graph's output reads" (or "which Y (where) reads"); None
-    when nothing does."""
+    """What reads, after `stub`, one of `tensors` (the op's operands: sizes among them are never
+    written) at the positions `written` (None: every one) or an alias of it: "its input X, which
+    the graph's output reads" (or "which Y (where) reads"); None when nothing does."""
     from graphpass.analysis.regions import source_of
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     for position in (range(len(tensors)) if written is None else sorted(written)):
-        if position >= len(tensors):
+        if position >= len(tensors) or not isinstance(tensors[position], torch.fx.Node) \
+                or not isinstance(tensors[position].meta.get("val"), torch.Tensor):
             continue
         aliases = aliases_of(tensors[position])
         for alias in aliases:
@@ -176,6 +189,21 @@ class _Submodule(NamedTuple):
     name: str
 
 
+class _Symbol(NamedTuple):
+    """A Function argument that is the call's `position`-th size (a SymInt Dynamo lifted where
+    shapes are dynamic)."""
+    position: int
+
+
+def _argument(a, tensors, symbols):
+    """The op's argument `a` (a `_Tensor`, `_Symbol` or constant) among a stub's `tensors` and `symbols`."""
+    if isinstance(a, _Tensor):
+        return tensors[a.position]
+    if isinstance(a, _Symbol):
+        return symbols[a.position]
+    return a
+
+
 def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
     """Capture Dynamo's `gm` (left untouched) on fakes of `example_inputs`; see the module doc."""
     fake_mode, fakes = _torch_api.fakify_inputs(example_inputs)
@@ -201,6 +229,7 @@ def capture(gm: torch.fx.GraphModule, example_inputs) -> Captured:
                for name in list(signature.user_inputs_to_mutate)]
     _decompose_functional_copy(exported.graph)
     _read_back_writes(exported.graph)
+    _drop_whole_slices(exported.graph)
     exported.graph.lint()
     exported.recompile()
     return Captured(exported, fakes, hops, mutated)
@@ -268,16 +297,17 @@ def _opaque_op():
 
 
 @torch.library.custom_op("graphpass::opaque", mutates_args=())
-def opaque(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A higher-order op the passes must not look into; only ever run on fakes."""
+def opaque(key: str, tensors: list[torch.Tensor], symbols: list[int]) -> list[torch.Tensor]:
+    """A higher-order op the passes must not look into; only ever run on fakes. `symbols`: the
+    sizes (SymInts) it reads."""
     raise RuntimeError("graphpass: an opaque stub ran outside capture; this is a graphpass bug")
 
 
 @opaque.register_fake
-def _(key, tensors):
+def _(key, tensors, symbols):
     hop = _HOPS[key]
-    args = [tensors[a.position] if isinstance(a, _Tensor)
-            else hop.submodules[a.name] if isinstance(a, _Submodule) else a for a in hop.args]
+    args = [hop.submodules[a.name] if isinstance(a, _Submodule) else _argument(a, tensors, symbols)
+            for a in hop.args]
     outs = hop.target(*args, **hop.kwargs)
     # A stub's outputs are new tensors (the op may return an input as is).
     return [o.clone() for o in outs]
@@ -292,21 +322,24 @@ def _stub_higher_order_ops(gm: torch.fx.GraphModule) -> dict:
         if node.target is _torch_api.autograd_function_apply():
             unread = _torch_api.drop_function_intermediates(gm, node)
         mutates_inputs = _check_stubbable(gm, node)
-        tensors, args, submodules = [], [], {}
+        tensors, symbols, args, submodules = [], [], [], {}
         for a in node.args:
             if isinstance(a, torch.fx.Node) and a.op == "get_attr":
                 submodules[a.target] = getattr(gm, a.target)
                 args.append(_Submodule(a.target))
-            elif isinstance(a, torch.fx.Node):
+            elif isinstance(a, torch.fx.Node) and isinstance(_example(a), torch.Tensor):
                 args.append(_Tensor(len(tensors)))
                 tensors.append(a)
+            elif isinstance(a, torch.fx.Node):  # a size (_check_stubbable lets nothing else through)
+                args.append(_Symbol(len(symbols)))
+                symbols.append(a)
             else:
                 args.append(a)
         key = f"hop{next(_counter)}"
         hops[key] = _HOPS[key] = _Hop(node.target, tuple(args), dict(node.kwargs), submodules, mutates_inputs,
                                        unread)
         with gm.graph.inserting_before(node):
-            stub = gm.graph.call_function(_opaque_op(), (key, tensors))
+            stub = gm.graph.call_function(_opaque_op(), (key, tensors, symbols))
         stub.meta.update(node.meta)
         node.replace_all_uses_with(stub)
         gm.graph.erase_node(node)
@@ -320,8 +353,9 @@ def _check_stubbable(gm, node) -> str | None:
     that returned: a pass may replace it; if none does, `restore` hands it clones."""
     name = getattr(node.target, "__name__", str(node.target))
     for a in node.args:
-        if isinstance(a, torch.fx.Node) and a.op != "get_attr" and not isinstance(_example(a), torch.Tensor):
-            raise CantCapture(f"higher-order op {name} reads {a.name}, which is not a tensor")
+        if isinstance(a, torch.fx.Node) and a.op != "get_attr" and not isinstance(_example(a), torch.Tensor) \
+                and not _is_size(_example(a)):
+            raise CantCapture(f"higher-order op {name} reads {a.name}, which is neither a tensor nor an integer")
     for value in node.kwargs.values():
         if isinstance(value, torch.fx.Node):
             raise CantCapture(f"higher-order op {name} takes a graph value as a keyword argument")
@@ -335,6 +369,11 @@ def _check_stubbable(gm, node) -> str | None:
                 raise CantCapture(reason)
             return reason
     return None
+
+
+def _is_size(value) -> bool:
+    """An integer a stub can pass on as a `SymInt` (Dynamo lifts a symbolic size as one)."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 def hop_of(node: torch.fx.Node) -> _Hop | None:
@@ -473,6 +512,23 @@ def _read_back_writes(graph: torch.fx.Graph) -> None:
         span, written = slice_span(node), slice_span(scatter)
         src = scatter.args[1]
         if span == written and tuple(src.meta["val"].shape) == tuple(node.meta["val"].shape):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+
+
+def _drop_whole_slices(graph: torch.fx.Graph) -> None:
+    """`slice(x, ...)` whose result has x's shape (`x[:, None]` where x's rows are symbolic) -> `x`.
+
+    With static sizes the export leaves no such slice; with symbolic ones it keeps them, and an
+    analysis would read a slice of the rows where there is the whole. In a functional graph the
+    whole of `x` is `x`; a slice the graph returns stays (it is another tensor than `x` to the caller)."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.slice.Tensor)):
+        src, val = node.args[0], node.meta.get("val")
+        step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+        if step != 1 or not isinstance(val, torch.Tensor) or not isinstance(src, torch.fx.Node) \
+                or not isinstance(src.meta.get("val"), torch.Tensor) or any(u.op == "output" for u in node.users):
+            continue
+        if _torch_api.same_shape(tuple(val.shape), tuple(src.meta["val"].shape)):
             node.replace_all_uses_with(src)
             graph.erase_node(node)
 

@@ -46,6 +46,8 @@ it computes the gradients of the hidden states, weight and bias in its forward, 
 rows, with one all-gather of row statistics per block (three GEMMs instead of four;
 `SiteRecord.gradients_in_forward`, else `recompute_reason` says why). The choice reads the graph
 alone, so every rank that traces the same graph issues the same collectives whatever its grad mode.
+A Function called with symbolic sizes (the second length Dynamo compiles, or `dynamic=True`) runs
+as written, the reason recorded: the op is built for static sizes.
 
 This module drives it: what a Function's body computes is read by `graphpass.analysis.vocab_parallel`
 (its output layer by `graphpass.analysis.output_layer_function`), the op's nodes are built by
@@ -70,7 +72,7 @@ from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import (MIXES, NO_LOGPROB, NOT_PARALLEL, VocabParallelMatch, match_forward,
                                                match_graph, values_without_gradient)
 from graphpass.capture import CantCapture, capture, hop_of, later_reader, written_inputs
-from graphpass.fx_utils import copy_graph_module
+from graphpass.fx_utils import copy_graph_module, value_or_constant
 from graphpass.lint import INPLACE_ALL_REDUCE_FRAMES  # how lint knows them
 from graphpass.records import Rejection, SiteRecord
 from graphpass.rewrite.vocab_parallel_lm_head import fuse_lm_head, take_loss_math
@@ -139,7 +141,7 @@ def _lost_write(graph: torch.fx.Graph, stub: torch.fx.Node, hop) -> str | None:
     by the Function alone (as callers hand it) the write is invisible. A graph input it overwrites
     and nothing in the graph reads again is not reported: graphpass leaves the caller's tensor as
     it was (`bench.tp` records `input_overwritten` for eager)."""
-    reader = later_reader(graph, stub, list(stub.args[1]), written_inputs(hop.bodies[0]))
+    reader = later_reader(graph, stub, hop.operands(stub), written_inputs(hop.bodies[0]))
     if reader is None:
         return None
     return f"its forward writes into {reader} after it (replacing it would lose the write); hand it a clone"
@@ -154,10 +156,11 @@ def _match_function(hop, stub, config) -> VocabParallelMatch | VocabParallelOutp
     """The match of the Function behind `stub`, else why it is kept (one line), or None for a
     Function with no collective that computes no log-prob or entropy: none of this pass's business."""
     forward = hop.bodies[0]
-    tensors = stub.args[1]
+    operands = hop.operands(stub)  # the forward's inputs: tensors, and sizes where shapes are dynamic
+    vals = [value_or_constant(o) for o in operands]
     n_outputs = len(forward.graph.output_node().args[0][0])  # Dynamo's forward: ((outputs), (saved))
     try:
-        captured = capture(forward, [t.meta["val"] for t in tensors])
+        captured = capture(forward, vals)
     except CantCapture as e:
         return f"vocab-parallel Function kept: its forward cannot be captured: {e}"
 
@@ -165,22 +168,27 @@ def _match_function(hop, stub, config) -> VocabParallelMatch | VocabParallelOutp
         outputs = list(gm.graph.output_node().args[0])[len(captured.mutated_inputs):][:n_outputs]
         return match_forward(gm, outputs, group_rank_and_size)
 
-    match = read_folded(captured.gm, [t.meta["val"] for t in tensors], read,
+    match = read_folded(captured.gm, vals, read,
                         lambda m: not isinstance(m, str) or m == NOT_PARALLEL, config=config)
     if match == NOT_PARALLEL:
         return None  # one device: replace_hand_written_functions' business
     if hop.unread is not None:
         return f"vocab-parallel Function kept: {hop.unread}"
+    if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape))
+           for v in vals):
+        # The op and its lm_head fusion are built from concrete row and vocabulary sizes.
+        return "vocab-parallel Function kept: its sizes are symbolic (dynamic shapes), and graphpass builds " \
+               "the vocab-parallel op for static sizes only"
     if isinstance(match, str):
         product = output_layer_inside(captured.gm)
         if product is not None:
             return _match_output_layer(hop, stub, captured, product, n_outputs, config)
         return f"vocab-parallel Function kept: {match}"
-    # The forward's inputs are the stub's tensors, in order.
+    # The forward's inputs are the stub's operands, in order.
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     return dataclasses.replace(
-        match, logits=tensors[placeholders.index(match.logits)],
-        target=None if match.target is None else tensors[placeholders.index(match.target)])
+        match, logits=operands[placeholders.index(match.logits)],
+        target=None if match.target is None else operands[placeholders.index(match.target)])
 
 
 _OUTPUT_LAYER_KEPT = "vocab-parallel Function kept: it multiplies by the output layer itself (at {}), but {}"
@@ -195,13 +203,13 @@ def _match_output_layer(hop, stub, captured, product, n_outputs, config) -> Voca
     for the hidden states and the weight alone and communicates the hidden states' gradient as
     the forward implies (reduce-scattered where their rows were all-gathered)."""
     forward, backward = hop.bodies[0], hop.bodies[1]
-    tensors = stub.args[1]
-    vals = [t.meta["val"] for t in tensors]
+    operands = hop.operands(stub)
+    vals = [value_or_constant(o) for o in operands]
     where = source_of(product)
     if hop.mutates_inputs or captured.mutated_inputs:
         return _OUTPUT_LAYER_KEPT.format(where, "it writes into its inputs")
     read = capture(forward, vals).gm
-    read_transposes(read, transposed_inputs(tensors))
+    read_transposes(read, transposed_inputs(operands))
     fold_function_body(read, vals, config=config)
     cut = cut_forward_at_logits(read, n_outputs)
     if isinstance(cut, str):
@@ -216,14 +224,14 @@ def _match_output_layer(hop, stub, captured, product, n_outputs, config) -> Voca
     grads = [torch.empty_like(o.meta["val"]) for o in outputs]
     n_saved = len(forward.graph.output_node().args[0][1])
     try:
-        joint = capture(joint_module(forward, backward, len(tensors), n_outputs, n_saved), vals + grads)
+        joint = capture(joint_module(forward, backward, len(operands), n_outputs, n_saved), vals + grads)
     except Exception as e:  # noqa: BLE001 - a backward that does not trace cannot be read
         return _OUTPUT_LAYER_KEPT.format(where, f"its backward does not trace on fake values ({type(e).__name__})")
     kind, why = hidden_gradient_collective(joint.gm, n_outputs, cut, match.group_name)
     if why is not None:
         return _OUTPUT_LAYER_KEPT.format(where, why)
     placeholders = list(logits_forward.graph.find_nodes(op="placeholder"))
-    target = None if match.target is None else tensors[cut.other_positions[placeholders.index(match.target) - 1]]
+    target = None if match.target is None else operands[cut.other_positions[placeholders.index(match.target) - 1]]
     return VocabParallelOutputLayerFunction(dataclasses.replace(match, logits=None, target=target), cut, kind)
 
 

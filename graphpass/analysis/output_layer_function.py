@@ -73,7 +73,7 @@ def transposed_inputs(tensors) -> dict[int, int]:
     """{i: j} where the Function's input `i` is its input `j` transposed (a matrix's `.T`)."""
     found = {}
     for i, t in enumerate(tensors):
-        if t.op == "call_function" and (t.target is aten.t.default or (
+        if isinstance(t, torch.fx.Node) and t.op == "call_function" and (t.target is aten.t.default or (
                 t.target is aten.permute.default and list(t.args[1]) == [1, 0])) and t.args[0] in tensors:
             found[i] = tensors.index(t.args[0])
     return found

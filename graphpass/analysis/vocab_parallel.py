@@ -442,7 +442,12 @@ def _row_indexed(n):
     if shape is None or len(shape) != 2 or len(indices) != 2 or any(i is None for i in indices):
         return None
     rows, columns = indices
-    return (src, columns) if arange_args(rows) == (0, shape[0], 1) else None
+    span = arange_args(rows)
+    if span is None or span[0] != 0 or span[2] != 1:
+        return None
+    # With symbolic sizes the end is a node (a size the Function was passed): its value must be the rows'.
+    end = span[1].meta.get("val") if isinstance(span[1], torch.fx.Node) else span[1]
+    return (src, columns) if _torch_api.same_size(end, shape[0]) else None
 
 
 def _index(ev, n):

@@ -18,7 +18,7 @@ from graphpass.analysis.lm_head import METADATA_CHECKS
 from graphpass.analysis.output_layer_function import VocabParallelOutputLayerFunction, emit_product
 from graphpass.analysis.regions import source_of
 from graphpass.analysis.vocab_parallel import EMPTY, MIXES, VocabParallelMatch
-from graphpass.capture import CantCapture
+from graphpass.capture import CantCapture, hop_of
 from graphpass.ops.groups import rank_and_size
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.records import CollectiveRecord, OutputRecord, Rejection, SiteRecord, site_kind
@@ -276,8 +276,8 @@ def emit_output_layer(graph: torch.fx.Graph, stub, read: VocabParallelOutputLaye
     then reduce-scattered, as its backward does) and the weight shard, cast and its rows permuted
     as the Function does; the match reading them. The op reads through the cast and the
     permutation (`_read_through`) and the lm_head fusion takes the product in."""
-    tensors, cut = stub.args[1], read.cut
-    hidden, weight = tensors[cut.hidden_position], tensors[cut.weight_position]
+    operands, cut = hop_of(stub).operands(stub), read.cut
+    hidden, weight = operands[cut.hidden_position], operands[cut.weight_position]
     group = read.match.group_name
     fake_mode = _torch_api.detect_fake_mode([hidden.meta["val"]])
 

@@ -153,9 +153,10 @@ def _inputs():
     return base, torch.randint(0, V, (T,), generator=g), torch.randn(5, generator=g, requires_grad=True)
 
 
-def _run(fn, backend):
+def _run(fn, backend, dynamic=None):
     base, labels, w = _inputs()
-    out = fn(base * 1.0, labels, w) if backend is None else torch.compile(fn, backend=backend)(base * 1.0, labels, w)
+    out = fn(base * 1.0, labels, w) if backend is None else torch.compile(fn, backend=backend, dynamic=dynamic)(
+        base * 1.0, labels, w)
     outs = out if isinstance(out, tuple) else (out,)
     outs[0].backward()
     return [o.detach() for o in outs], base.grad, w.grad
@@ -165,6 +166,43 @@ def _run(fn, backend):
 def test_values_and_every_gradient_equal_eager(fn):
     backend = graphpass.Backend(inner="aot_eager", chunk_size=7)
     outs, grad_logits, grad_w = _run(fn, backend)
+    ref_outs, ref_logits, ref_w = _run(fn, None)
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(grad_logits, ref_logits)
+    torch.testing.assert_close(grad_w, ref_w)
+    assert [r.fallback_reason for r in backend.records] == [None] * len(backend.records)
+    assert sorted(s.kind for r in backend.records for s in r.sites) == sorted(CASES[fn])
+
+
+def test_a_function_reading_symbolic_sizes_stands_behind_a_stub_that_passes_them_on():
+    """With dynamic shapes Dynamo passes an autograd.Function the free sizes of its inputs
+    (SymInts) beside its tensors; the stub takes them as its `SymInt[]` argument and `restore`
+    puts them back where they were (the graph ran unchanged: "reads s59, which is not a tensor")."""
+    seen = []
+
+    def grab(gm, example_inputs):
+        (hop,) = [n for n in gm.graph.nodes if n.op == "call_function" and _torch_api.is_higher_order_op(n.target)]
+        captured = capture(gm, example_inputs)
+        (stub,) = captured.gm.graph.find_nodes(op="call_function", target=torch.ops.graphpass.opaque.default)
+        restored = captured.restore(captured.gm)
+        (back,) = [n for n in restored.graph.nodes if n.op == "call_function" and n.target is hop.target]
+        seen.append((len(stub.args[2]), [type(a.meta.get("val")) for a in back.args[2:]],
+                     [type(a.meta.get("example_value")) for a in hop.args[2:]]))
+        return gm
+
+    base, labels, w = _inputs()
+    torch.compile(fused_function_beside_entropy, backend=grab, dynamic=True)(base * 1.0, labels, w)
+    ((n_sizes, restored, dynamo),) = seen
+    assert n_sizes > 0 and torch.SymInt in dynamo
+    assert [t is torch.SymInt for t in restored] == [t is torch.SymInt for t in dynamo]
+
+
+@pytest.mark.parametrize("fn", [function_beside_region, function_feeds_region, fused_function_beside_entropy],
+                         ids=lambda f: f.__name__)
+def test_a_function_under_dynamic_shapes_leaves_the_rest_of_the_graph_rewritten(fn):
+    backend = graphpass.Backend(inner="aot_eager", chunk_size=7)
+    outs, grad_logits, grad_w = _run(fn, backend, dynamic=True)
     ref_outs, ref_logits, ref_w = _run(fn, None)
     for a, b in zip(outs, ref_outs):
         torch.testing.assert_close(a, b)
@@ -217,9 +255,11 @@ class LossInScratch(torch.autograd.Function):
         return grad * g[:, None], None
 
 
-def test_a_kept_function_writing_into_its_input_leaves_the_rest_of_the_graph_rewritten():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_a_kept_function_writing_into_its_input_leaves_the_rest_of_the_graph_rewritten(dynamic):
     """A Function that writes into an input no later node reads goes back on a clone of it: the
-    graph around it is still rewritten (here a log-prob site), values and gradients those of eager."""
+    graph around it is still rewritten (here a log-prob site), values and gradients those of eager.
+    With dynamic shapes its inputs are sizes, then tensors: the clone is of the tensor it writes."""
 
     def fn(logits, labels, w):
         loss = LossInScratch.apply(logits * 1.0, labels).mean()
@@ -227,7 +267,7 @@ def test_a_kept_function_writing_into_its_input_leaves_the_rest_of_the_graph_rew
         return loss - logprob.mean()
 
     backend = graphpass.Backend(inner="aot_eager")
-    outs, grad_logits, grad_w = _run(fn, backend)
+    outs, grad_logits, grad_w = _run(fn, backend, dynamic)
     ref_outs, ref_logits, ref_w = _run(fn, None)
     torch.testing.assert_close(outs[0], ref_outs[0])
     torch.testing.assert_close(grad_logits, ref_logits)
@@ -236,14 +276,15 @@ def test_a_kept_function_writing_into_its_input_leaves_the_rest_of_the_graph_rew
     assert record.fallback_reason is None and [s.kind for s in record.sites] == ["logprob"], record
 
 
-def test_a_function_writing_into_an_input_read_afterwards_runs_the_graph_unchanged():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_a_function_writing_into_an_input_read_afterwards_runs_the_graph_unchanged(dynamic):
     def fn(logits, labels, w):
         y = logits * w[0]
         loss = LossInScratch.apply(y, labels).mean()
         return loss + torch.log_softmax(y, -1).gather(-1, labels[:, None]).mean()  # reads the softmax written
 
     backend = graphpass.Backend(inner="aot_eager")
-    outs, grad_logits, grad_w = _run(fn, backend)
+    outs, grad_logits, grad_w = _run(fn, backend, dynamic)
     ref_outs, ref_logits, ref_w = _run(fn, None)
     torch.testing.assert_close(outs[0], ref_outs[0])
     torch.testing.assert_close(grad_logits, ref_logits)

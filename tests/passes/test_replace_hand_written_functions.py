@@ -924,3 +924,90 @@ def test_an_output_layer_stored_transposed_is_read_too():
     assert mixed_error(value, want) <= 2 * mixed_error(got_eager, want) + 1e-12
     for got, ref, exact_t in zip(compiled, eager, exact):
         assert mixed_error(got.grad, exact_t.grad) <= 2 * mixed_error(ref.grad, exact_t.grad) + 1e-12
+
+
+# ---- symbolic sizes: a second length compiled (automatic dynamic), or dynamic=True --------------
+class _VocabSizeAsANumber(torch.autograd.Function):
+    """Log-probs whose backward scales by the vocabulary's size over 40: the gradient where the
+    vocabulary has 40 columns, not where it has any other number."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        logp = logits.log_softmax(-1)
+        ctx.save_for_backward(logp, target)
+        return logp.gather(-1, target[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, target = ctx.saved_tensors
+        dlogits = (-logp.exp() * grad[:, None]).scatter_add(-1, target[:, None], grad[:, None])
+        return dlogits * (logp.shape[-1] // V), None
+
+
+def _apply(function, logits, target):
+    """(log-probs, entropies or an empty tensor) of `function` on `logits`."""
+    if function == "slime":
+        return _SlimeStyle.apply(logits, target, 0.7, True)
+    if function == "megatron":
+        return -_MegatronStyle.apply(logits, target), logits.new_zeros((0,))
+    if function == "twin, straight-through":
+        return _Twin.apply(logits, target, None, "straight-through")
+    one_device = {"one_hot": _OneHotStyle, "vocabulary size as a number": _VocabSizeAsANumber}[function]
+    return one_device.apply(logits, target), logits.new_zeros((0,))
+
+
+def _plain(function, logits, target, weights):
+    """`fn`'s loss in test_a_function_called_with_symbolic_sizes as plain math in float64, or as
+    the Function computes it where its backward is not the gradient (eager's is the reference)."""
+    if function not in ("slime", "megatron", "one_hot"):
+        logprob, entropy = _apply(function, logits, target)
+    else:
+        logp = (logits / (0.7 if function == "slime" else 1.0)).log_softmax(-1)
+        logprob = logp.gather(-1, target[:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1) if function == "slime" else logits.new_zeros((0,))
+    return _loss(logprob, entropy, weights) + logits.logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("dynamic", ["a second length", "dynamic=True"])
+@pytest.mark.parametrize("function", ["slime", "megatron", "one_hot", "twin, straight-through",
+                                      "vocabulary size as a number"])
+def test_a_function_called_with_symbolic_sizes(function, dynamic):
+    """Dynamo makes sizes symbolic from the second length it compiles (or at once with
+    dynamic=True) and passes them to the Function: a Function whose backward is the gradient is
+    still replaced (its backward checked at the example sizes, and where the vocabulary is
+    symbolic at twice its width too); the others stay as written, reason recorded, and the graph
+    around them is rewritten. Values and gradients are eager's."""
+    backend = graphpass.Backend(inner="aot_eager")
+
+    def fn(logits, target, weights):
+        logprob, entropy = _apply(function, logits, target)
+        return _loss(logprob, entropy, weights) + logits.logsumexp(-1).mean()  # a site beside it
+
+    compiled_fn = torch.compile(fn, backend=backend, dynamic=True if dynamic == "dynamic=True" else None)
+    g = torch.Generator().manual_seed(3)
+    for rows in ([T, T + 8] if dynamic == "a second length" else [T]):
+        x = 3 * torch.randn(rows, V, generator=g, dtype=torch.float64)
+        target = torch.randint(0, V, (rows,), generator=g)
+        weights = torch.randn(2, rows, generator=g, dtype=torch.float64)
+        eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        exact_x = x.clone().requires_grad_()
+        eager, value, want = fn(eager_x, target, weights), compiled_fn(compiled_x, target, weights), \
+            _plain(function, exact_x, target, weights)
+        for loss in (eager, value, want):
+            loss.backward()
+        # As close to the math (float64) as eager (slime's upcast rounds to float32).
+        assert mixed_error(value, want) <= 2 * mixed_error(eager, want) + 1e-12
+        assert mixed_error(compiled_x.grad, exact_x.grad) <= 2 * mixed_error(eager_x.grad, exact_x.grad) + 1e-12
+    record = backend.records[-1]
+    assert record.fallback_reason is None, record.fallback_reason
+    shape = record.sites[0].shape if record.sites else None
+    assert any(not isinstance(s, int) for s in shape), shape  # the graph compiled for symbolic sizes
+    reasons = [r.reason for r in record.rejected if "autograd.Function kept" in r.reason]
+    replaced = [s.replaced_function is not None for s in record.sites]
+    kept = function == "twin, straight-through" or (function == "vocabulary size as a number"
+                                                    and dynamic == "dynamic=True")
+    if not kept:
+        assert True in replaced and reasons == [], (record.sites, record.rejected)
+        return
+    assert True not in replaced and len(record.sites) == 1 and len(reasons) == 1, (record.sites, record.rejected)
+    assert "its backward is not the gradient of its forward's math" in reasons[0], reasons[0]

@@ -602,3 +602,47 @@ def test_ranks_differing_in_grad_mode_read_the_label_smoothed_function_alike(wit
     kind = "smoothed-logprob+entropy" if with_entropy else "smoothed-logprob"
     for log, err, sites in per_rank:
         assert err < 1e-5 and sites == [(kind, 2)], (err, sites)
+
+
+# ---- symbolic sizes: a second length (automatic dynamic), or dynamic=True ----------------------------
+def _at_symbolic_sizes(rank, world, dynamic):
+    """slime's Function in a PPO loss compiled for T rows then T + 8 (Dynamo makes the rows
+    symbolic at the second), or with dynamic=True: per call, the errors against eager and the
+    collectives issued; and the last graph's fallback, rejections and sites."""
+    width = WIDTH[world]
+    fn = functools.partial(_loss, "slime", {"with_entropy": True})
+    backend = graphpass.Backend(inner="aot_eager")
+    compiled = torch.compile(fn, backend=backend, dynamic=True if dynamic == "dynamic=True" else None)
+    out = []
+    for rows in ([T, T + 8] if dynamic == "a second length" else [T]):
+        g = torch.Generator().manual_seed(rows)
+        full = torch.randn(rows, world * width, generator=g, dtype=torch.float64) * 2
+        target = torch.randint(0, world * width, (rows,), generator=g)
+        old, adv = torch.randn(rows, generator=g, dtype=torch.float64) - 3, torch.randn(rows, generator=g,
+                                                                                           dtype=torch.float64)
+        local = full[:, rank * width:(rank + 1) * width]
+        eager_logits, logits = local.clone().requires_grad_(), local.clone().requires_grad_()
+        eager = fn(eager_logits, target, old, adv)
+        eager.backward()
+        with collectives() as log:
+            value = compiled(logits, target, old, adv)
+            value.backward()
+        out.append((mixed_error(value, eager), mixed_error(logits.grad, eager_logits.grad), log))
+    record = backend.records[-1]
+    return out, record.fallback_reason, [r.reason for r in record.rejected], [s.shape for s in record.sites]
+
+
+@pytest.mark.parametrize("dynamic", ["a second length", "dynamic=True"])
+def test_a_function_called_with_symbolic_sizes_runs_as_written_the_same_on_every_rank(dynamic):
+    """Where Dynamo passes the Function symbolic sizes, the vocab-parallel op (built for static
+    sizes) does not replace it: it runs as written, with the reason recorded, instead of the whole
+    graph running unchanged; values and gradients are eager's and every rank issues the same
+    collectives."""
+    per_rank = run_ranks(_at_symbolic_sizes, 2, args=(dynamic,), timeout_s=240)
+    for calls, fallback, rejected, _ in per_rank:
+        assert fallback is None, fallback
+        assert any("its sizes are symbolic" in r for r in rejected), rejected
+        for value_error, grad_error, _ in calls:
+            assert value_error <= 1e-12 and grad_error <= 1e-12, (value_error, grad_error)
+    logs = [[log for _, _, log in calls] for calls, _, _, _ in per_rank]
+    assert all(log == logs[0] for log in logs), logs
