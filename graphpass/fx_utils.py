@@ -8,6 +8,10 @@ import torch
 import torch.fx
 
 
+#: Ops that give a tensor a new shape over the same elements in the same order.
+RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
+
+
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm` (same submodules; nodes' meta shallow-copied) whose graph can be edited freely."""
     graph = torch.fx.Graph()

@@ -27,13 +27,13 @@ import torch.fx
 from graphpass._torch_api import detect_fake_mode, fake_node, same_shape, same_size
 from graphpass.analysis import catalogue
 from graphpass.analysis.regions import source_of
-from graphpass.fx_utils import arange_args, derives_from, fake_value
+from graphpass.fx_utils import RESHAPES, arange_args, derives_from, fake_value
 from graphpass.records import Rejection
 
 aten = torch.ops.aten
 
 # Ops that only give an arange size-1 dims around its one dim (its values stay in order).
-_RESHAPES = {aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten._unsafe_view.default}
+_RESHAPES = RESHAPES | {aten.unsqueeze.default}
 
 
 def index_rows_as_gather_pass(gm: torch.fx.GraphModule, example_inputs, *, config, record) -> torch.fx.GraphModule:

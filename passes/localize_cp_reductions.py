@@ -32,7 +32,7 @@ import torch
 import torch.fx
 
 from graphpass import _torch_api
-from graphpass.analysis.cp_rows import (RESHAPES, SCATTERS, SLICES, UNSHARD, CantLocalize, Plan, aligned,
+from graphpass.analysis.cp_rows import (RESHAPES_OR_EXPAND, SCATTERS, SLICES, UNSHARD, CantLocalize, Plan, aligned,
                                         per_sequence_alignment, plan_localization, reduced_dims, row_operand_ndim,
                                         scatter_index, scatter_source)
 from graphpass.analysis.regions import source_of
@@ -186,7 +186,7 @@ class _LocalRows:
         for value, extent in self.plan.row_values.items():
             if value.target is UNSHARD:
                 continue
-            if value.target in RESHAPES and self.plan.row_values.get(value.args[0], extent).cols != extent.cols:
+            if value.target in RESHAPES_OR_EXPAND and self.plan.row_values.get(value.args[0], extent).cols != extent.cols:
                 twins[value] = twins[value.args[0]]  # [T, ...] <-> [B, S, ...]: the local rows stay flat
                 continue
             with self.graph.inserting_before(value):
@@ -198,7 +198,7 @@ class _LocalRows:
                     continue
                 args = torch.fx.node.map_arg(value.args, lambda a: self.local_of(a, value, extent))
                 kwargs = torch.fx.node.map_arg(value.kwargs, lambda a: self.local_of(a, value, extent))
-                if value.target in RESHAPES:  # the same shape with the local row count
+                if value.target in RESHAPES_OR_EXPAND:  # the same shape with the local row count
                     args = (args[0], [-1, *value.meta["val"].shape[1:]]) + tuple(args[2:])
                 twins[value] = node(value.target, *args, like=value, **kwargs)
 

@@ -30,6 +30,7 @@ import torch.fx
 from graphpass._torch_api import detect_fake_mode, same_shape, same_size
 from graphpass.analysis.catalogue import is_deterministic_pointwise, is_row_matmul
 from graphpass.analysis.rowlocal import derives_from_reduction
+from graphpass.fx_utils import RESHAPES
 
 aten = torch.ops.aten
 
@@ -61,7 +62,6 @@ def sink_row_slices_pass(gm: torch.fx.GraphModule, example_inputs, *, config, re
 #: Readers a slice can move past: they pick rows (a chunk, one sequence of a batch, `[:, :-1]`)
 #: or, when every operand has the full shape, only reshape.
 _PICKS = {aten.slice.Tensor, aten.select.int}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _movable(user, source) -> bool:
@@ -71,7 +71,7 @@ def _movable(user, source) -> bool:
         return True
     # A reshape moves only onto contiguous operands, where it stays a view (never a copy).
     shape = source.meta["val"].shape
-    return user.target in _RESHAPES and all(
+    return user.target in RESHAPES and all(
         a.meta["val"].ndim == 0 or (same_shape(a.meta["val"].shape, shape) and a.meta["val"].is_contiguous())
         for a in source.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
 

@@ -19,13 +19,14 @@ from graphpass import _torch_api
 from graphpass.analysis import catalogue
 from graphpass.analysis.grad_flow import edges_carrying_grad
 from graphpass.analysis.regions import source_of
+from graphpass.fx_utils import RESHAPES
 from graphpass.ops import cp_shards  # noqa: F401 - registers graphpass::cp_unshard
 
 aten = torch.ops.aten
 
 __all__ = ["CantLocalize", "Plan", "Range", "Rows", "plan_localization", "aligned", "per_sequence_alignment",
            "reduced_dims", "row_operand_ndim", "scatter_index", "scatter_source",
-           "UNSHARD", "ROW_SUMS", "SCATTERS", "SLICES", "RESHAPES"]
+           "UNSHARD", "ROW_SUMS", "SCATTERS", "SLICES", "RESHAPES_OR_EXPAND"]
 
 UNSHARD = torch.ops.graphpass.cp_unshard.default
 
@@ -35,8 +36,8 @@ SCATTERS = {aten.index_add.default, aten.scatter_add.default, aten.scatter_reduc
 #: A range of the rows.
 SLICES = {aten.slice.Tensor, aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default}
 #: Row-wise ops beyond the pointwise ones: views that keep the row dim first.
-RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
-ROW_VIEWS = RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+RESHAPES_OR_EXPAND = RESHAPES | {aten.expand.default}
+ROW_VIEWS = RESHAPES_OR_EXPAND | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
 class CantLocalize(Exception):
@@ -133,7 +134,7 @@ def _classify(node, row_values, splits):
     if target in SLICES:
         return _sliced(node, extent)
     val = node.meta.get("val")
-    if target in RESHAPES and target is not aten.expand.default and _sequences_view(node, extent):
+    if target in RESHAPES and _sequences_view(node, extent):
         return "row", dataclasses.replace(extent, cols=val.shape[1])
     if target in ROW_SUMS:
         if 0 in reduced_dims(node):
@@ -165,7 +166,7 @@ def _classify(node, row_values, splits):
             return "squeezes the row dim", None
         if target is aten.expand.default and len(node.args[1]) != src.ndim:
             return "expands with new leading dims", None
-        if target in RESHAPES and not all(isinstance(d, int) for d in val.shape[1:]):
+        if target in RESHAPES_OR_EXPAND and not all(isinstance(d, int) for d in val.shape[1:]):
             return "reshapes to symbolic trailing dims", None
         return "row", extent
     if target in catalogue.ELEMENTWISE or catalogue.is_deterministic_pointwise(target):
@@ -198,7 +199,7 @@ def _classify_per_sequence(node, extent, row_values):
     if not isinstance(val, torch.Tensor):
         return "mixes or changes the rows", None
     src = node.args[0].meta["val"] if isinstance(node.args[0], torch.fx.Node) else None
-    if target in RESHAPES and target is not aten.expand.default and src is not None and node.args[0] in row_values:
+    if target in RESHAPES and src is not None and node.args[0] in row_values:
         if _torch_api.known_equal(val.shape[0], extent.length) and list(val.shape[1:]) == list(src.shape[2:]):
             return "row", dataclasses.replace(extent, cols=None)
         return "reshapes a per-sequence view otherwise", None

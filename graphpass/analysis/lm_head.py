@@ -17,7 +17,7 @@ import torch
 from graphpass import _torch_api
 from graphpass._torch_api import known_equal
 from graphpass.analysis import rowlocal
-from graphpass.fx_utils import fake_value, target_name
+from graphpass.fx_utils import RESHAPES, fake_value, target_name
 
 aten = torch.ops.aten
 
@@ -211,8 +211,7 @@ def not_computed_here(logits: torch.fx.Node) -> str:
 
 #: Reshapes of the logits that, keeping their last dim, keep their rows in order: the same reshape
 #: of the hidden states gives the same rows (slime hands megatron-core's fused loss `logits[:, None]`).
-ROW_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-                aten.squeeze.dim, aten.squeeze.dims}
+ROW_RESHAPES = RESHAPES | {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
 def match_head_behind(logits: torch.fx.Node) -> tuple[LmHead | None, str | None]:

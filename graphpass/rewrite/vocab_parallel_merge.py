@@ -12,6 +12,7 @@ import torch.fx
 
 from graphpass import _torch_api
 from graphpass.analysis.grad_flow import grad_modes
+from graphpass.fx_utils import RESHAPES
 from graphpass.ops.vocab_parallel import collective_bytes
 from graphpass.records import Rejection, SiteRecord, site_kind
 from graphpass.rewrite.vocab_parallel_op import (OP, SLICE_MEAN_ITEM, absorb_scaling, all_gathers, computes_slice_mean,
@@ -86,15 +87,13 @@ def _entropy_read(op: torch.fx.Node) -> bool:
     return any(u.target is not operator.getitem or (u.args[1] == 1 and u.users) for u in op.users)
 
 
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-
 
 def _same_value(a, b) -> bool:
     """`a` and `b` are the same node, or the same reshape (or view) of the same node."""
     if a is b:
         return True
     return (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.op == b.op == "call_function"
-            and a.target is b.target and a.target in _RESHAPES and not a.kwargs and not b.kwargs
+            and a.target is b.target and a.target in RESHAPES and not a.kwargs and not b.kwargs
             and a.args[0] is b.args[0] and list(a.args[1]) == list(b.args[1]))
 
 
@@ -142,7 +141,7 @@ def _merge_reason(graph, a: torch.fx.Node, b: torch.fx.Node, place: torch.fx.Nod
 def _target_inputs(target: torch.fx.Node) -> list:
     """The nodes the merged op needs before it to compute `target` there: its own inputs where it
     is a reshape (recreated), else itself."""
-    if target.op == "call_function" and target.target in (*_RESHAPES, aten.zeros.default):
+    if target.op == "call_function" and target.target in (*RESHAPES, aten.zeros.default):
         return list(target.all_input_nodes)
     return [target]
 
@@ -160,7 +159,7 @@ def _merge(graph, site_a: SiteRecord, a: torch.fx.Node, site_b: SiteRecord, b: t
     with graph.inserting_before(place):
         if read_b and not read_a:
             target, ignore_index = b.args[1], b.args[7]
-        if target.op == "call_function" and target.target in (*_RESHAPES, aten.zeros.default) and \
+        if target.op == "call_function" and target.target in (*RESHAPES, aten.zeros.default) and \
                 not _before(graph, target, place):
             target = _torch_api.fake_node(graph, fake_mode, target.target, target.args, target.kwargs, target)
         with_entropy = with_a or with_b
