@@ -122,7 +122,9 @@ def compile_kernel(fn, inner: str, wide_width: int | None = None, fallback=None,
 
     Where the compiler fails on it, `fallback()` (a callable with `fn`'s arguments) runs instead,
     else `fn` itself, uncompiled."""
-    if inner == "eager":
+    if inner in ("eager", "aot_eager"):
+        # A kernel runs below autograd: aot_eager would trace its ATen graph again and run the same
+        # ops (no codegen), at a compile's cost for each kernel.
         return fn
     kernel = None  # compiled at the first call, for its tensors' device
 

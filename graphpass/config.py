@@ -23,7 +23,8 @@ class Config:
     rule of each op is in `graphpass.ops.chunk_sizes`."""
 
     inner: str = "inductor"
-    """Compiler for the rest of the graph and the per-chunk kernels: inductor, aot_eager or eager."""
+    """Compiler for the rest of the graph and the per-chunk kernels: inductor, aot_eager or eager (with
+    either of the last two the kernels run as their ATen graphs)."""
 
     strict: bool = False
     """Raise when a rewrite fails instead of running the graph unchanged."""

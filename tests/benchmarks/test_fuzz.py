@@ -137,11 +137,11 @@ def test_programs_are_determined_by_their_seed_and_run_eagerly():
             assert all(torch.isfinite(g).all() for g in grads.values()), seed
 
 
-# The fixed seeds run with the eager inner compiler: the capture and the passes are the same, and
-# compiling every site's per-chunk kernels (60% of an aot_eager run) would more than double their
-# time. The hypothesis test uses aot_eager (`check_source`'s default); `python -m bench.fuzz` uses
-# eager unless given --inner. Both are samples that keep the suite within its 15 minutes: the
-# campaign that shows behaviour unchanged is `python -m bench.fuzz -n 2000`.
+# The fixed seeds run with the eager inner compiler (the capture, the passes and the kernels are
+# aot_eager's; only the rest of the graph runs uncompiled), the hypothesis test with aot_eager
+# (`check_source`'s default); `python -m bench.fuzz` uses eager unless given --inner. Both are
+# samples that keep the suite within its 15 minutes: the campaign that shows behaviour unchanged is
+# `python -m bench.fuzz -n 2000`.
 FIXED_SEEDS_INNER = "eager"
 FIXED_SEEDS = range(30)
 
