@@ -109,3 +109,21 @@ def _leaf(value, to_float64: bool):
     if to_float64 and copy.is_floating_point():
         copy = copy.double()
     return copy.requires_grad_(value.requires_grad)
+
+
+def decisions(records: Sequence[GraphRecord]) -> list:
+    """Per graph: whether it runs unchanged, its sites (kind, lm_head fused) and its warnings."""
+    return [(r.fallback_reason is not None, sorted((s.kind, s.lm_head) for s in r.sites), r.warnings) for r in records]
+
+
+def explained_records(fn, args, kwargs, config: Config) -> list[GraphRecord]:
+    """What `graphpass.explain` records for `fn(*args, **kwargs)` (run on fakes of the inputs)."""
+    from graphpass import _torch_api, inspection
+
+    torch.compiler.reset()
+    fake_mode = _torch_api.new_fake_mode(allow_real_tensors=True)
+    fakes = inspection.fakeify(args, fake_mode)
+    fake_kwargs = dict(zip(kwargs, inspection.fakeify(kwargs.values(), fake_mode)))
+    records = [r.record for r in inspection.rewrite_results(fn, fakes, fake_kwargs, config)]
+    torch.compiler.reset()
+    return records

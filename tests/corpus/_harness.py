@@ -41,6 +41,8 @@ class Result:
     outputs: list[tuple[str, bool, str | None]] = dataclasses.field(default_factory=list)
     rejected: list[str] = dataclasses.field(default_factory=list)
     coverage_problems: list[str] = dataclasses.field(default_factory=list)
+    records: list = dataclasses.field(default_factory=list)
+    """The backend's `GraphRecord`s."""
     seconds: float = 0.0
 
     @property
@@ -252,6 +254,7 @@ def run_case(name: str, dtype: str, chunk_size: int = CHUNK_SIZE, inner: str = I
     else:
         _check_parity(res, compiled_in, eager, compiled, reference)
     _check_coverage(res, case, backend)
+    res.records = list(backend.records)
     torch.compiler.reset()
     res.seconds = time.perf_counter() - start
     return res

@@ -8,6 +8,8 @@ chunks of 5 rows) shared by two tests:
 - `test_coverage`: no graph ran unchanged, the sites rewritten are one of the acceptable answers,
   outputs that cannot reach the loss dropped their gradient (those that reach it kept it), and the
   temperature is read as written.
+- `test_explain_decides_as_the_backend`: `graphpass.explain` / `graphpass inspect` (on fakes) make
+  the backend's decision for every graph (`pipeline.decide`: rewrite, memory veto, lint).
 `python -m tests.corpus` prints the same results as a table. Inductor parity for a few cases is slow.
 """
 
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from corpus import CASES  # tests/ is on sys.path (pytest's rootdir conftest import mode)
-from corpus._harness import run_case
+from corpus import BY_NAME, CASES, DTYPES  # tests/ is on sys.path (pytest's rootdir conftest import mode)
+from corpus._harness import CHUNK_SIZE, INNER, run_case
+from graphpass.config import Config
+from helpers import decisions, explained_records
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -48,6 +52,15 @@ def test_coverage(name, dtype):
     library's loss function with graphpass): each case's sites are one of the acceptable answers."""
     r = run_case(name, dtype)
     assert r.coverage_ok, _problems(r, r.coverage_problems)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_explain_decides_as_the_backend(name):
+    case, dtype = BY_NAME[name], BY_NAME[name].dtypes[0]
+    r = run_case(name, dtype)  # test_parity's run where it ran in this process
+    assert r.error is None, r.error
+    explained = explained_records(case.fn, (), case.make_inputs(DTYPES[dtype]), Config(chunk_size=CHUNK_SIZE, inner=INNER))
+    assert decisions(explained) == decisions(r.records)
 
 
 INDUCTOR = ["verl_padded_actor_ppo", "torchtune_grpo_batched_logprobs", "nemo_rl_top_k_function_and_unfiltered_kl",
