@@ -400,6 +400,12 @@ def new_fake_mode(allow_real_tensors: bool = False):
     return FakeTensorMode(allow_non_fake_inputs=allow_real_tensors)
 
 
+def any_symbolic(values) -> bool:
+    """Whether one of `values` is a SymInt or a tensor with a symbolic size."""
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+        isinstance(s, int) for s in v.shape)) for v in values)
+
+
 def size_symbol(size):
     """The symbol a size is (`s27`), or None for an int or an expression of several symbols."""
     if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:

@@ -124,7 +124,7 @@ def _match(hop, stub, config):
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     positions = placeholders.index(match.logits), None if match.target is None else placeholders.index(match.target)
     non_differentiable = set(hop.kwargs.get("non_differentiable_idx", ()))
-    if not _symbolic(vals):
+    if not _torch_api.any_symbolic(vals):
         why = _backward_unchecked(hop, vals, [o.meta["val"] for o in outputs()], n_saved, positions, match,
                                   non_differentiable, config)
     else:
@@ -143,11 +143,6 @@ def _sizes_readable(stub, source) -> bool:
     return all(isinstance(s, int) or any(_torch_api.same_size(s, h) for h in have)
                for user in stub.users if isinstance(user.meta.get("val"), torch.Tensor)
                for s in user.meta["val"].shape)
-
-
-def _symbolic(vals) -> bool:
-    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
-        isinstance(s, int) for s in v.shape)) for v in vals)
 
 
 def _backward_unchecked(hop, vals, output_vals, n_saved, positions, match, non_differentiable, config) -> str | None:

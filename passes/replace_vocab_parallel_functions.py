@@ -174,8 +174,7 @@ def _match_function(hop, stub, config) -> VocabParallelMatch | VocabParallelOutp
         return None  # one device: replace_hand_written_functions' business
     if hop.unread is not None:
         return f"vocab-parallel Function kept: {hop.unread}"
-    if any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape))
-           for v in vals):
+    if _torch_api.any_symbolic(vals):
         # The op and its lm_head fusion are built from concrete row and vocabulary sizes.
         return "vocab-parallel Function kept: its sizes are symbolic (dynamic shapes), and graphpass builds " \
                "the vocab-parallel op for static sizes only"
