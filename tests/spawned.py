@@ -1,12 +1,14 @@
 """Multi-rank results computed once per test module: `once(body, world, timeout_s)`.
 
 Each spawn of gloo ranks costs seconds (and a loaded machine's minutes), so a module runs every
-case in one spawn and its tests read the results. A spawn that fails fails every test that reads
+case for a group size in one spawn (its body returns a dict, one entry per test's work) and its
+tests read the results. A spawn that fails fails every test that reads
 it, with the spawn's error (`bench.harness.ranks.RankFailed` names the rank and the collective)."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import pytest
 
@@ -33,3 +35,13 @@ def once(body, world: int, timeout_s: float, *, args: tuple = (), requires: str 
         return out
 
     return spawned
+
+
+def installed(module: str) -> bool:
+    """Whether `module` imports: inside a rank, work that needs it runs only where it does (the
+    tests that read that work skip without it)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True

@@ -8,7 +8,7 @@ the collectives each rank issued (the same on every rank, none in backward; comp
 of the sums only; eager: one all-gather of the local rows). Sequence lengths are uneven and some
 are shorter than 2 x cp; one sequence has no response token; a variant gives rank 0 none at all.
 
-One spawn per group size runs every case: each spawn costs seconds.
+One spawn per group size runs every test's work (`_on_ranks`): each spawn costs seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import graphpass
 from graphpass.ops.groups import ALL_GATHER
 from bench.workloads import cp_losses
-from bench.harness.ranks import RankFailed, collectives, run_ranks
+from bench.harness.ranks import collectives
 from graphpass import cp
 import spawned  # tests/ is on sys.path
 
@@ -88,15 +88,9 @@ def _case(rank, world, name, kind, variant):
     return out
 
 
-def _all_cases(rank, world):
-    return [_case(rank, world, *case) for case in CASES[world]]
-
-
-_SPAWNS = {world: spawned.once(_all_cases, world, 420 if world == 2 else 360) for world in (2, 4)}
-
-
 def _spawned(world):
-    return _SPAWNS[world]()
+    """Per rank, every case's results for `world` ranks."""
+    return [results["cases"] for results in _SPAWNS[world]()]
 
 
 def _case_id(case):
@@ -163,9 +157,12 @@ def _differing_ranks(rank, world, name):
     return log, _err(loss, ref), [c.rewritten for r in backend.records for c in r.cp]
 
 
-@pytest.mark.parametrize("name", ["grpo_sample_mean", "opsm"])
+DIFFERING = ["grpo_sample_mean", "opsm"]
+
+
+@pytest.mark.parametrize("name", DIFFERING)
 def test_ranks_differing_in_grad_mode_issue_the_same_collectives(name):
-    per_rank = run_ranks(_differing_ranks, 4, args=(name,), timeout_s=240)
+    per_rank = [results["differing"][name] for results in _SPAWNS[4]()]
     logs = [log for log, _, _ in per_rank]
     assert all(log == logs[0] for log in logs) and len(logs[0]) == LEVELS[name], logs
     for log, err, rewritten in per_rank:
@@ -235,7 +232,7 @@ def _groups():
 
 
 def test_cp_composes_with_the_vocab_parallel_op_at_tp2_cp2():
-    per_rank = run_ranks(_tp_cp, 4, timeout_s=300)
+    per_rank = [results["tp x cp"] for results in _SPAWNS[4]()]
     for rank, out in enumerate(per_rank):
         for mode in ("eager", "compiled", "compiled megatron"):
             if mode not in out:
@@ -266,11 +263,11 @@ def _megatron_zigzag(rank, world):
 
 def test_zigzag_rows_are_megatron_cores():
     pytest.importorskip("megatron.core")
-    assert run_ranks(_megatron_zigzag, 2, timeout_s=120) == [True, True]
+    assert [results["megatron zigzag"] for results in _SPAWNS[2]()] == [True, True]
 
 
 def test_ranks_given_different_sequence_lengths_all_raise_one_line():
-    per_rank = run_ranks(_mismatched, 2, timeout_s=120)
+    per_rank = [results["mismatched"] for results in _SPAWNS[2]()]
     for message in per_rank:
         assert message.startswith("graphpass.cp: ranks [") and "same seq_lens" in message and "\n" not in message
 
@@ -281,3 +278,25 @@ def _mismatched(rank, world):
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+# ---- one spawn per group size --------------------------------------------------------------------
+def _on_ranks(rank, world):
+    """Every test's work on `world` ranks: the cases; at 4 ranks, ranks that differ and TP x CP; at
+    2, the layouts' checks. Each part compiles from a fresh Dynamo."""
+    def part(body, *args):
+        torch._dynamo.reset()
+        return body(rank, world, *args)
+
+    out = dict(cases=[part(_case, *case) for case in CASES[world]])
+    if world == 4:
+        out["differing"] = {name: part(_differing_ranks, name) for name in DIFFERING}
+        out["tp x cp"] = part(_tp_cp)
+    if world == 2:
+        out["mismatched"] = part(_mismatched)
+        if spawned.installed("megatron.core"):
+            out["megatron zigzag"] = part(_megatron_zigzag)
+    return out
+
+
+_SPAWNS = {world: spawned.once(_on_ranks, world, timeout_s) for world, timeout_s in ((2, 480), (4, 600))}

@@ -1,11 +1,11 @@
 """`graphpass.ops.vocab_parallel_logprob_entropy` on 2 and 4 gloo ranks against one device.
 
 Each spawn of ranks costs seconds, so one spawn per group size runs every check and the tests
-below read its results (`_spawned`): value and gradient parity over dtypes, temperatures, entropy
+below read its results (`_on_ranks`): value and gradient parity over dtypes, temperatures, entropy
 modes, keep masks and ignored rows; the collectives each rank issued, call by call; the cases
 that hung slime (requires_grad or grad mode differing across ranks, a rank whose slice is all
-masked) and bad input. A second spawn compiles the op with aot_eager, a third compares it with
-megatron-core's `vocab_parallel_cross_entropy` when that is installed.
+masked) and bad input; at 2 ranks also the op compiled with aot_eager, and megatron-core's
+`vocab_parallel_cross_entropy` beside it where that is installed.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.harness.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives
 from graphpass import _torch_api
 from graphpass.ops import vocab_parallel_logprob_entropy
 from graphpass.ops.groups import ALL_GATHER
 from helpers import mixed_error  # tests/ is on sys.path
+import spawned  # tests/ is on sys.path
 
 IGNORE = -100
 T = 37
@@ -199,23 +200,9 @@ def _hang_cases(rank, world, width):
     return out
 
 
-def _ranks(rank, world, width):
-    return {"parity": _parity(rank, world, width), "hang": _hang_cases(rank, world, width)}
-
-
-_CACHE: dict = {}
-
-
 def _spawned(world):
-    """The results of `_ranks` on `world` ranks, spawned once per module (a failure is kept too)."""
-    if world not in _CACHE:
-        try:
-            _CACHE[world] = run_ranks(_ranks, world, args=(SLICE[world],), timeout_s=120)
-        except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
-            _CACHE[world] = error
-    if isinstance(_CACHE[world], Exception):
-        raise _CACHE[world]
-    return _CACHE[world]
+    """Per rank, the results of `_on_ranks` on `world` ranks, spawned once per group size."""
+    return _SPAWNS[world]()
 
 
 def _label(row):
@@ -326,7 +313,7 @@ def _compiled(rank, world, width):
 
 
 def test_compiled_with_aot_eager_fullgraph_matches_eager():
-    per_rank = run_ranks(_compiled, 2, args=(SLICE[2],), timeout_s=150)
+    per_rank = [results["compiled"] for results in _spawned(2)]
     for rank, (out, graphs) in enumerate(per_rank):
         assert graphs and all("graphpass.vocab_parallel_logprob_entropy" in code for code in graphs), graphs
         for name, (value_err, grad_err, log) in out.items():
@@ -363,10 +350,25 @@ def _megatron(rank, world, width):
 
 def test_matches_megatron_core_vocab_parallel_cross_entropy():
     pytest.importorskip("megatron.core")
-    per_rank = run_ranks(_megatron, 2, args=(32,), timeout_s=150)
+    per_rank = [results["megatron"] for results in _spawned(2)]
     for rank, (lp_err, grad_err, ours_log, theirs_log) in enumerate(per_rank):
         assert lp_err < 1e-6 and grad_err < 1e-6, (rank, lp_err, grad_err)
         assert len(ours_log) == 1 and len(theirs_log) >= 3, (ours_log, theirs_log)
+
+
+# ---- one spawn per group size --------------------------------------------------------------------
+def _on_ranks(rank, world):
+    width = SLICE[world]
+    out = {"parity": _parity(rank, world, width), "hang": _hang_cases(rank, world, width)}
+    if world == 2:
+        torch._dynamo.reset()
+        out["compiled"] = _compiled(rank, world, width)
+        if spawned.installed("megatron.core"):
+            out["megatron"] = _megatron(rank, world, 32)
+    return out
+
+
+_SPAWNS = {world: spawned.once(_on_ranks, world, timeout_s=240) for world in (2, 4)}
 
 
 # ---- one process ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ label smoothing 0.1 and 0.3, against megatron-core itself and float64, alone, be
 on ranks that differ in grad mode (Dynamo inlines its forward on one: the same one all-gather).
 (One-device Functions, no collective at all: tests/passes/test_replace_hand_written_functions.py.)
 
-One spawn per group size runs every case (`_spawned`): each spawn costs seconds.
+One spawn per group size runs every test's work (`_on_ranks`): each spawn costs seconds.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import graphpass
 from graphpass import _torch_api
 from graphpass.ops.groups import ALL_GATHER
-from bench.harness.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives
 import spawned  # tests/ is on sys.path
 from bench.workloads.tp_losses import (megatron_fused_logprob, megatron_logprob, ppo_loss, slime_style_logprob_entropy,
                                        verl_style_entropy)
@@ -240,17 +240,9 @@ def _all_cases(rank, world, cases):
     return [_case(rank, world, *case) for case in cases]
 
 
-def _have_megatron() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _cases(world):
     """Every case for `world` ranks; megatron's only where it is installed (the `test` extra installs it)."""
-    return [c for c in (CASES if world == 2 else FEWER_CASES) if not c[0].startswith("megatron") or _have_megatron()]
+    return [c for c in (CASES if world == 2 else FEWER_CASES) if not c[0].startswith("megatron") or spawned.installed("megatron.core")]
 
 
 def _with_megatron(rank, world):
@@ -266,12 +258,9 @@ def _with_megatron(rank, world):
         parallel_state.destroy_model_parallel()
 
 
-_SPAWNS = {world: spawned.once(_with_megatron, world, 420 if world == 2 else 300) for world in (1, 2, 4)}
-
-
 def _spawned(world):
     """(cases, per-rank results) of every case for `world` ranks, spawned once per group size."""
-    return _cases(world), _SPAWNS[world]()
+    return _cases(world), [results["cases"] for results in _SPAWNS[world]()]
 
 
 def _case_id(case):
@@ -378,11 +367,14 @@ def _differing_ranks(rank, world, code):
     return log, mixed_error(logprob, reference), [s.tp_size for r in backend.records for s in r.sites]
 
 
-@pytest.mark.parametrize("code", ["slime", "chunked"])
+DIFFERING = ["slime", "chunked"]
+
+
+@pytest.mark.parametrize("code", DIFFERING)
 def test_ranks_differing_in_grad_mode_and_ownership_issue_the_same_collectives(code):
     # "chunked": a Function that loops over chunks of rows, read folded where it is replaced; its
     # inlined forward must fold the same way (it hung once: one all-gather against per-chunk all-reduces).
-    per_rank = run_ranks(_differing_ranks, 4, args=(code,), timeout_s=240)
+    per_rank = [results["differing"][code] for results in _SPAWNS[4]()]
     logs = [log for log, _, _ in per_rank]
     assert all(log == logs[0] for log in logs) and len(logs[0]) == 1, logs
     for log, err, sites in per_rank:
@@ -465,7 +457,7 @@ def _kept_beside_replaced(rank, world):
 
 def test_the_label_smoothed_function_is_read_beside_the_fused_one():
     pytest.importorskip("megatron.core")
-    per_rank = run_ranks(_kept_beside_replaced, 2, timeout_s=300)
+    per_rank = [results["kept beside"] for results in _SPAWNS[2]()]
     for tp in (1, 2):
         for rank, results in enumerate(per_rank):
             r = results[tp]
@@ -540,7 +532,7 @@ def test_megatron_label_smoothed_cross_entropy_is_read_at_tp1_and_tp2():
     with its slice mean of the log-probs: values and gradients as megatron-core's, within 2x its
     error against float64, one all-gather per call (none at TP=1), none in backward."""
     pytest.importorskip("megatron.core")
-    per_rank = run_ranks(_smoothed_parity, 2, timeout_s=300)
+    per_rank = [results["smoothed"] for results in _SPAWNS[2]()]
     for tp in (1, 2):
         for smoothing in (0.1, 0.3):
             for rank, results in enumerate(per_rank):
@@ -596,7 +588,7 @@ def test_ranks_differing_in_grad_mode_read_the_label_smoothed_function_alike(wit
     # with_entropy: verl's entropy Function beside it, over the same logits: merged into one op on
     # the rank that trains, one op of the inlined code on the other.
     pytest.importorskip("megatron.core")
-    per_rank = run_ranks(_smoothed_in_differing_grad_modes, 2, args=(with_entropy,), timeout_s=240)
+    per_rank = [results["smoothed, differing"][with_entropy] for results in _SPAWNS[2]()]
     logs = [log for log, _, _ in per_rank]
     assert logs[0] == logs[1] and [e[0] for e in logs[0]] == [ALL_GATHER], logs
     kind = "smoothed-logprob+entropy" if with_entropy else "smoothed-logprob"
@@ -632,13 +624,16 @@ def _at_symbolic_sizes(rank, world, dynamic):
     return out, record.fallback_reason, [r.reason for r in record.rejected], [s.shape for s in record.sites]
 
 
-@pytest.mark.parametrize("dynamic", ["a second length", "dynamic=True"])
+SYMBOLIC = ["a second length", "dynamic=True"]
+
+
+@pytest.mark.parametrize("dynamic", SYMBOLIC)
 def test_a_function_called_with_symbolic_sizes_runs_as_written_the_same_on_every_rank(dynamic):
     """Where Dynamo passes the Function symbolic sizes, the vocab-parallel op (built for static
     sizes) does not replace it: it runs as written, with the reason recorded, instead of the whole
     graph running unchanged; values and gradients are eager's and every rank issues the same
     collectives."""
-    per_rank = run_ranks(_at_symbolic_sizes, 2, args=(dynamic,), timeout_s=240)
+    per_rank = [results["symbolic"][dynamic] for results in _SPAWNS[2]()]
     for calls, fallback, rejected, _ in per_rank:
         assert fallback is None, fallback
         assert any("its sizes are symbolic" in r for r in rejected), rejected
@@ -646,3 +641,27 @@ def test_a_function_called_with_symbolic_sizes_runs_as_written_the_same_on_every
             assert value_error <= 1e-12 and grad_error <= 1e-12, (value_error, grad_error)
     logs = [[log for _, _, log in calls] for calls, _, _, _ in per_rank]
     assert all(log == logs[0] for log in logs), logs
+
+
+# ---- one spawn per group size --------------------------------------------------------------------
+def _on_ranks(rank, world):
+    """Every test's work on `world` ranks: the cases; at 4 ranks, ranks that differ; at 2,
+    symbolic sizes and megatron-core's label-smoothed loss (where it is installed). Each part
+    compiles from a fresh Dynamo."""
+    def part(body, *args):
+        torch._dynamo.reset()
+        return body(rank, world, *args)
+
+    out = dict(cases=part(_with_megatron))
+    if world == 4:
+        out["differing"] = {code: part(_differing_ranks, code) for code in DIFFERING}
+    if world == 2:
+        out["symbolic"] = {dynamic: part(_at_symbolic_sizes, dynamic) for dynamic in SYMBOLIC}
+        if spawned.installed("megatron.core"):
+            out["kept beside"] = part(_kept_beside_replaced)
+            out["smoothed"] = part(_smoothed_parity)
+            out["smoothed, differing"] = {e: part(_smoothed_in_differing_grad_modes, e) for e in (False, True)}
+    return out
+
+
+_SPAWNS = {world: spawned.once(_on_ranks, world, timeout_s) for world, timeout_s in ((1, 300), (2, 600), (4, 480))}

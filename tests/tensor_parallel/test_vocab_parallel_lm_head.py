@@ -23,11 +23,12 @@ import torch.nn.functional as F
 
 import graphpass
 from graphpass.ops.groups import ALL_GATHER
-from bench.harness.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives
 from bench.workloads.tp_losses import megatron_fused_logprob, megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
 from test_vocab_parallel_functions import _funcol_logprob  # a sibling: pytest puts this folder on sys.path (also in the ranks)
 from helpers import mixed_error  # tests/ is on sys.path
+import spawned  # tests/ is on sys.path
 
 T, H, WIDTH, WORLD = 12, 16, 20, 2  # rows, hidden size, V/tp, tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -252,20 +253,7 @@ def _ranks(rank, world):
     return dict(cases=cases, one=one, differing=_differing(rank, world), memory=_memory(rank, world))
 
 
-_CACHE: list = []
-
-
-def _spawned():
-    """The per-rank results of `_ranks`, spawned once per module (a failure is kept too)."""
-    pytest.importorskip("megatron.core")
-    if not _CACHE:
-        try:
-            _CACHE.append(run_ranks(_ranks, WORLD, timeout_s=240))
-        except Exception as error:  # noqa: BLE001 - re-raised by every test that reads it
-            _CACHE.append(error)
-    if isinstance(_CACHE[0], Exception):
-        raise _CACHE[0]
-    return _CACHE[0]
+_spawned = spawned.once(_ranks, WORLD, timeout_s=240, requires="megatron.core")
 
 
 def _case_id(case):

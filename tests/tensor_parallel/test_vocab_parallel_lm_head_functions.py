@@ -23,7 +23,7 @@ import torch.distributed as dist
 import graphpass
 from graphpass import _torch_api
 from graphpass.ops.groups import ALL_GATHER
-from bench.harness.ranks import collectives, run_ranks
+from bench.harness.ranks import collectives
 import spawned  # tests/ is on sys.path
 from helpers import mixed_error  # tests/ is on sys.path
 
@@ -157,17 +157,15 @@ KEPT_BECAUSE = {"rank-local max": "its math on those logits is not read",
                 "unreduced hidden gradient": "does not reduce-scatter the gradient of the hidden states it gathered"}
 
 
-def _all_cases(rank, world):
-    return [_case(rank, world, *case) for case in CASES]
-
-
-_SPAWNS = {world: spawned.once(_all_cases, world, 300) for world in (1, 2)}
+def _spawned(world):
+    """Per rank, every case's results on `world` ranks."""
+    return [results["cases"] for results in _SPAWNS[world]()]
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_lm_head_function_becomes_the_product_and_one_fused_op(world):
     """docs/frameworks/nemo-rl.md's recipe: NeMo-RL's loss code over its hidden-states Function, compiled."""
-    per_rank = _SPAWNS[world]()
+    per_rank = _spawned(world)
     for index, (layout, flaw, dtype) in enumerate(CASES):
         if flaw != "none":
             continue
@@ -189,7 +187,7 @@ def test_lm_head_function_becomes_the_product_and_one_fused_op(world):
 
 @pytest.mark.parametrize("flaw", ["rank-local max", "unreduced hidden gradient"])
 def test_a_function_that_differs_stays_as_it_is(flaw):
-    per_rank = _SPAWNS[2]()
+    per_rank = _spawned(2)
     index = next(i for i, case in enumerate(CASES) if case[1] == flaw)
     for rank, results in enumerate(per_rank):
         r = results[index]
@@ -223,8 +221,21 @@ def _differing_ranks(rank, world):
 
 
 def test_ranks_differing_in_grad_mode_issue_the_same_collectives():
-    per_rank = run_ranks(_differing_ranks, 2, timeout_s=240)
+    per_rank = [results["differing"] for results in _SPAWNS[2]()]
     logs = [log for log, _, _ in per_rank]
     assert all(log == logs[0] for log in logs) and [c[0] for c in logs[0]] == [ALL_GATHER], logs
     for _, err, sites in per_rank:
         assert err < 1e-5 and sites == [("logprob", True)], (err, sites)
+
+
+# ---- one spawn per group size --------------------------------------------------------------------
+def _on_ranks(rank, world):
+    """Every test's work on `world` ranks: the cases, and at 2 ranks ranks that differ."""
+    out = dict(cases=[_case(rank, world, *case) for case in CASES])
+    if world == 2:
+        torch._dynamo.reset()
+        out["differing"] = _differing_ranks(rank, world)
+    return out
+
+
+_SPAWNS = {world: spawned.once(_on_ranks, world, 300) for world in (1, 2)}
