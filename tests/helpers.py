@@ -1,12 +1,15 @@
-"""What the tests share: capture a function and run passes on its graph (`run_passes`), and the
+"""What the tests share: capture a function and run passes on its graph (`run_passes`), the
 float64 three-way comparison (`three_ways`: graphpass's result and eager's, each against float64,
-by the fuzzer's rule: at most twice eager's error plus a dtype's slack)."""
+by the fuzzer's rule: at most twice eager's error plus a dtype's slack), and grids whose every
+pair of values runs by default (`covering_grid`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Sequence
 
+import pytest
 import torch
 
 import graphpass
@@ -127,3 +130,20 @@ def explained_records(fn, args, kwargs, config: Config) -> list[GraphRecord]:
     records = [r.record for r in inspection.rewrite_results(fn, fakes, fake_kwargs, config)]
     torch.compiler.reset()
     return records
+
+
+def covering_grid(*factors: Sequence) -> list:
+    """Every combination of the factors' values as `pytest.param`s, for one parametrize of as many
+    names; those beyond a set that holds every pair of values of two factors are marked `slow`:
+    by default each pair runs once, with --runslow the whole product."""
+    combos = list(itertools.product(*factors))
+
+    def pairs(combo):
+        return {(i, combo[i], j, combo[j]) for i, j in itertools.combinations(range(len(combo)), 2)}
+
+    uncovered, chosen = set().union(*map(pairs, combos)), set()
+    while uncovered:
+        best = max(combos, key=lambda combo: len(pairs(combo) & uncovered))
+        chosen.add(best)
+        uncovered -= pairs(best)
+    return [pytest.param(*combo, marks=() if combo in chosen else pytest.mark.slow) for combo in combos]

@@ -4,7 +4,8 @@ Every case compares the values of all outputs and the gradient of the loss w.r.t
 with eager, and checks `backend.records`: exact site counts and output labels. The default run
 covers every idiom once (fp32, [N, V], T=13 in chunks of 4) plus a spread of dtypes, layouts and
 odd chunkings; the full cross product and the inductor cases are marked `slow`
-(run them with `--runslow` or GRAPHPASS_SLOW=1).
+(run them with `--runslow` or GRAPHPASS_SLOW=1). At each idiom's default point, `graphpass.explain`
+must decide as the backend did.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import graphpass
 import idioms  # tests/ is on sys.path (pytest's rootdir conftest import mode)
 from bench.fuzz import run as fuzz
+from graphpass.config import Config
+from helpers import decisions, explained_records  # tests/ is on sys.path
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -152,9 +155,26 @@ def _grid():
                                        id=f"{idiom.name}-{dtype}-{layout}-T{rows}")
 
 
+_BACKENDS: dict = {}  # the parity runs' backends by grid point, for the explain test (one worker runs a module)
+
+
 @pytest.mark.parametrize("idiom,dtype,layout,rows", list(_grid()))
 def test_idiom_parity(idiom, dtype, layout, rows):
-    run_parity(idiom, layout, rows, DTYPES[dtype], chunk_size=4)
+    _BACKENDS[idiom.name, dtype, layout, rows] = run_parity(idiom, layout, rows, DTYPES[dtype], chunk_size=4)
+
+
+@pytest.mark.parametrize("idiom", IDIOMS, ids=lambda i: i.name)
+def test_explain_decides_every_idiom_as_the_backend(idiom):
+    """`graphpass.explain` and `graphpass inspect` decide as the backend does (`pipeline.decide`: the
+    rewrite, its memory veto, lint): each graph runs rewritten or unchanged alike, with the same
+    sites and warnings. The backend's is test_idiom_parity's run at the idiom's default point.
+    (The library corpus's cases: test_corpus.)"""
+    layout = idiom.layouts[0]
+    backend = _BACKENDS.get((idiom.name, "fp32", layout, 13)) or run_parity(idiom, layout, 13, torch.float32,
+                                                                             chunk_size=4)
+    logits, tokens, extra = make_inputs(layout, 13, torch.float32)
+    explained = explained_records(idiom.fn, (logits, tokens), extra, Config(chunk_size=4, inner="aot_eager"))
+    assert decisions(explained) == decisions(backend.records)
 
 
 def test_catalog_is_complete():

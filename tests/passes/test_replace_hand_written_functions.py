@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from helpers import mixed_error  # tests/ is on sys.path
+from helpers import covering_grid, mixed_error  # tests/ is on sys.path
 
 T, V, H = 12, 40, 16
 
@@ -789,9 +789,9 @@ def _head_plain(hidden, weight, target, weights):
     return _loss(logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1), weights)
 
 
-@pytest.mark.parametrize("backward", ["blocks", "blocks, assigned", "whole"])
-@pytest.mark.parametrize("flaw", ["none", "entropy gradient dropped", "last block's weight gradient dropped"])
-@pytest.mark.parametrize("block", [8, 16, V])
+@pytest.mark.parametrize("block, flaw, backward", covering_grid(
+    [8, 16, V], ["none", "entropy gradient dropped", "last block's weight gradient dropped"],
+    ["blocks", "blocks, assigned", "whole"]))
 def test_an_output_layer_in_vocabulary_blocks_is_read_as_one_product(block, flaw, backward):
     """The blocks' products are read as blocks of one `hidden @ W.T`, and the backward's sums over
     blocks as the whole products: the Function becomes the product and the plain math of its
