@@ -146,4 +146,5 @@ def covering_grid(*factors: Sequence) -> list:
         best = max(combos, key=lambda combo: len(pairs(combo) & uncovered))
         chosen.add(best)
         uncovered -= pairs(best)
-    return [pytest.param(*combo, marks=() if combo in chosen else pytest.mark.slow) for combo in combos]
+    return [pytest.param(*combo, marks=() if combo in chosen else pytest.mark.slow,
+                         id="-".join(str(v).removeprefix("torch.") for v in combo)) for combo in combos]

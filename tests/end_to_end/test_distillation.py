@@ -147,7 +147,9 @@ def test_both_models_in_one_region():
     assert site.wide_inputs == 2 and not record.rejected
 
 
-@pytest.mark.parametrize("loss", [forward_kl, jsd, hinton], ids=lambda f: f.__name__)
+# By default the JSD (both models' log-softmaxes and their mixture); the other two with --runslow.
+@pytest.mark.parametrize("loss", [pytest.param(forward_kl, marks=pytest.mark.slow), jsd,
+                                  pytest.param(hinton, marks=pytest.mark.slow)], ids=lambda f: f.__name__)
 def test_under_inductor_in_fp32(loss):
     record = _parity(loss, _inputs(torch.float32), inner="inductor", atol=2e-5)
     assert record.sites

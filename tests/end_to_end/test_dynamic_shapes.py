@@ -115,8 +115,14 @@ def _three_runs(fn, compiled, logits, ids):
     return runs
 
 
-@pytest.mark.parametrize("fn", list(KINDS))
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+# Under inductor by default: verl's recipe and the row-wise site (each a cold compile of symbolic
+# kernels); prime-rl's two with --runslow.
+INDUCTOR_BY_DEFAULT = (verl_entropy_from_logits, smoothed_cross_entropy)
+
+
+@pytest.mark.parametrize("inner, fn", [
+    pytest.param(inner, fn, marks=() if inner == "aot_eager" or fn in INDUCTOR_BY_DEFAULT else pytest.mark.slow)
+    for inner in ("aot_eager", "inductor") for fn in KINDS])
 def test_a_symbolic_vocabulary_is_rewritten(fn, inner):
     """Compiled as the frameworks compile them (`dynamic=True`): one graph with symbolic rows and
     vocabulary, one site in it, and every vocabulary and row count after that as accurate as eager

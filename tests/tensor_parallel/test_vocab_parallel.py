@@ -20,7 +20,7 @@ from bench.harness.ranks import collectives
 from graphpass import _torch_api
 from graphpass.ops import vocab_parallel_logprob_entropy
 from graphpass.ops.groups import ALL_GATHER
-from helpers import mixed_error  # tests/ is on sys.path
+from helpers import covering_grid, mixed_error  # tests/ is on sys.path
 import spawned  # tests/ is on sys.path
 
 IGNORE = -100
@@ -413,10 +413,8 @@ def test_leading_dims_and_strided_logits():
     assert lp.shape == (2, 6) and mixed_error(lp.reshape(12), ref_lp) < 1e-10 and mixed_error(ent.reshape(12), ref_ent) < 1e-10
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kernels", ["eager", "inductor"])
-@pytest.mark.parametrize("keep", [False, True])
-@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype, kernels, keep, strided", covering_grid(
+    [torch.bfloat16, torch.float16], ["eager", "inductor"], [False, True], [False, True]))
 def test_rounded_division_is_eagers_division_in_the_logits_dtype(dtype, kernels, keep, strided):
     """`rounded_division`: the op on `x` divided by t in x's dtype, chunk by chunk, is bit for bit
     the op at temperature 1 on eager's `x / t` (values, entropy, and the gradient through eager's
