@@ -37,6 +37,15 @@ def once(body, world: int, timeout_s: float, *, args: tuple = (), requires: str 
     return spawned
 
 
+def part(body, rank: int, world: int, *args):
+    """Inside a rank: one test's work, `body(rank, world, *args)`, compiled from a fresh Dynamo (no
+    graph, guard or automatic-dynamic size of an earlier part of the spawn)."""
+    import torch
+
+    torch._dynamo.reset()
+    return body(rank, world, *args)
+
+
 def installed(module: str) -> bool:
     """Whether `module` imports: inside a rank, work that needs it runs only where it does (the
     tests that read that work skip without it)."""

@@ -283,19 +283,15 @@ def _mismatched(rank, world):
 # ---- one spawn per group size --------------------------------------------------------------------
 def _on_ranks(rank, world):
     """Every test's work on `world` ranks: the cases; at 4 ranks, ranks that differ and TP x CP; at
-    2, the layouts' checks. Each part compiles from a fresh Dynamo."""
-    def part(body, *args):
-        torch._dynamo.reset()
-        return body(rank, world, *args)
-
-    out = dict(cases=[part(_case, *case) for case in CASES[world]])
+    2, the layouts' checks."""
+    out = dict(cases=[spawned.part(_case, rank, world, *case) for case in CASES[world]])
     if world == 4:
-        out["differing"] = {name: part(_differing_ranks, name) for name in DIFFERING}
-        out["tp x cp"] = part(_tp_cp)
+        out["differing"] = {name: spawned.part(_differing_ranks, rank, world, name) for name in DIFFERING}
+        out["tp x cp"] = spawned.part(_tp_cp, rank, world)
     if world == 2:
-        out["mismatched"] = part(_mismatched)
+        out["mismatched"] = spawned.part(_mismatched, rank, world)
         if spawned.installed("megatron.core"):
-            out["megatron zigzag"] = part(_megatron_zigzag)
+            out["megatron zigzag"] = spawned.part(_megatron_zigzag, rank, world)
     return out
 
 

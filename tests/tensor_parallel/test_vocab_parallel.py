@@ -358,11 +358,12 @@ def test_matches_megatron_core_vocab_parallel_cross_entropy():
 
 # ---- one spawn per group size --------------------------------------------------------------------
 def _on_ranks(rank, world):
+    """Every test's work on `world` ranks: parity and the cases that hung slime; at 2 ranks also the
+    op compiled, and megatron-core's loss beside it (where it is installed)."""
     width = SLICE[world]
     out = {"parity": _parity(rank, world, width), "hang": _hang_cases(rank, world, width)}
     if world == 2:
-        torch._dynamo.reset()
-        out["compiled"] = _compiled(rank, world, width)
+        out["compiled"] = spawned.part(_compiled, rank, world, width)
         if spawned.installed("megatron.core"):
             out["megatron"] = _megatron(rank, world, 32)
     return out

@@ -242,7 +242,8 @@ def _all_cases(rank, world, cases):
 
 def _cases(world):
     """Every case for `world` ranks; megatron's only where it is installed (the `test` extra installs it)."""
-    return [c for c in (CASES if world == 2 else FEWER_CASES) if not c[0].startswith("megatron") or spawned.installed("megatron.core")]
+    megatron = spawned.installed("megatron.core")
+    return [c for c in (CASES if world == 2 else FEWER_CASES) if megatron or not c[0].startswith("megatron")]
 
 
 def _with_megatron(rank, world):
@@ -646,11 +647,9 @@ def test_a_function_called_with_symbolic_sizes_runs_as_written_the_same_on_every
 # ---- one spawn per group size --------------------------------------------------------------------
 def _on_ranks(rank, world):
     """Every test's work on `world` ranks: the cases; at 4 ranks, ranks that differ; at 2,
-    symbolic sizes and megatron-core's label-smoothed loss (where it is installed). Each part
-    compiles from a fresh Dynamo."""
+    symbolic sizes and megatron-core's label-smoothed loss (where it is installed)."""
     def part(body, *args):
-        torch._dynamo.reset()
-        return body(rank, world, *args)
+        return spawned.part(body, rank, world, *args)
 
     out = dict(cases=part(_with_megatron))
     if world == 4:

@@ -233,8 +233,7 @@ def _on_ranks(rank, world):
     """Every test's work on `world` ranks: the cases, and at 2 ranks ranks that differ."""
     out = dict(cases=[_case(rank, world, *case) for case in CASES])
     if world == 2:
-        torch._dynamo.reset()
-        out["differing"] = _differing_ranks(rank, world)
+        out["differing"] = spawned.part(_differing_ranks, rank, world)
     return out
 
 
