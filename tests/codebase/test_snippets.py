@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from snippets import PAGES, ROOT, ranks, script, snippets  # a sibling: pytest puts this folder on sys.path
+from tests.codebase.snippets import PAGES, ROOT, ranks, script, snippets
 
 pytestmark = pytest.mark.heavy
 

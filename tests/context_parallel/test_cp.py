@@ -24,7 +24,7 @@ from graphpass.ops.groups import ALL_GATHER
 from bench.workloads import cp_losses
 from bench.harness.ranks import collectives
 from graphpass import cp
-import spawned  # tests/ is on sys.path
+from tests import spawned
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

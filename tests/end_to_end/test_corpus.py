@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 
-from corpus import BY_NAME, CASES, DTYPES  # tests/ is on sys.path (pytest's rootdir conftest import mode)
-from corpus._harness import CHUNK_SIZE, INNER, run_case
+from tests.corpus import BY_NAME, CASES, DTYPES
+from tests.corpus._harness import CHUNK_SIZE, INNER, run_case
 from graphpass.config import Config
-from helpers import decisions, explained_records
+from tests.helpers import decisions, explained_records
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import graphpass
-import idioms  # tests/ is on sys.path (pytest's rootdir conftest import mode)
+from tests import idioms
 from bench.fuzz import run as fuzz
 from graphpass.config import Config
-from helpers import decisions, explained_records  # tests/ is on sys.path
+from tests.helpers import decisions, explained_records
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

@@ -16,7 +16,7 @@ import torch
 import graphpass
 from graphpass.integrations import check_substitute, substitute_in_graph
 from tests.corpus import prime_rl
-from helpers import relative_error  # tests/ is on sys.path
+from tests.helpers import relative_error
 
 N, H, V, CHUNK = prime_rl.N, prime_rl.HID, prime_rl.V2, prime_rl.TOKEN_CHUNK
 

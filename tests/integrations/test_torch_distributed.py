@@ -16,7 +16,7 @@ import graphpass  # noqa: F401 - registers the stand-in
 from bench.harness.ranks import collectives
 from graphpass import _torch_api
 from graphpass.integrations import torch_distributed
-import spawned  # tests/ is on sys.path
+from tests import spawned
 
 
 def _scatter(blocks):

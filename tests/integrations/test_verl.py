@@ -23,7 +23,7 @@ import torch
 
 import graphpass
 from graphpass.integrations import verl as verl_integration
-from helpers import relative_error  # tests/ is on sys.path
+from tests.helpers import relative_error
 
 T, H, V = 24, 8, 40
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from test_gradients_in_forward import CLIP, _batch, _logprob_entropy  # a sibling: pytest puts this folder on sys.path
+from tests.lm_head.test_gradients_in_forward import CLIP, _batch, _logprob_entropy
 
 
 def logprob_helper(hidden, weight, tokens, temperature=0.7):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from test_lm_head import _batch as lm_head_batch  # a sibling: pytest puts this folder on sys.path
+from tests.lm_head.test_lm_head import _batch as lm_head_batch
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

@@ -26,7 +26,7 @@ from graphpass.ops import chunked_op
 from graphpass.ops import lm_head
 from graphpass.ops.lm_head import LinearHeadProgram
 from graphpass.ops.joint import NotTileable, on_column_tile
-from test_lm_head import _batch as lm_head_batch  # a sibling: pytest puts this folder on sys.path
+from tests.lm_head.test_lm_head import _batch as lm_head_batch
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

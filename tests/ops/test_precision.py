@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import graphpass
 from bench.fuzz import run as fuzz
 from graphpass.ops import chunked_op, peephole, row_sums
-from test_joint import ancestors  # a sibling: pytest puts this folder on sys.path
+from tests.ops.test_joint import ancestors
 
 
 def _run(fn, x, dtype):

@@ -7,7 +7,7 @@ import torch
 import graphpass.ops.chunked_op  # noqa: F401  (registers torch.ops.graphpass)
 from graphpass.config import Config
 from graphpass.passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 T, V = 7, 11

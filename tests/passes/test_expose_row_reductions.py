@@ -15,7 +15,7 @@ from graphpass.config import Config
 from graphpass.passes.chunk_rowwise_regions import chunk_rowwise_regions_pass
 from graphpass.passes.expose_row_reductions import expose_row_reductions_pass
 from graphpass.records import GraphRecord
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 T, V = 7, 11

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import graphpass
 from graphpass.passes.fold_row_loops import fold_row_loops_pass
 from graphpass.passes.sink_row_slices import sink_row_slices_pass
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 

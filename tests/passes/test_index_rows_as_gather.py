@@ -8,7 +8,7 @@ import torch
 
 import graphpass
 from graphpass.passes.index_rows_as_gather import index_rows_as_gather_pass
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 T, V = 24, 37

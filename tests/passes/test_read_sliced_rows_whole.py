@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import graphpass
 from bench.fuzz import run as fuzz
 from graphpass.passes.read_sliced_rows_whole import read_sliced_rows_whole_pass
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 B, S, H, V = 2, 5, 8, 33  # 2B sequences: the first B chosen, the rest rejected

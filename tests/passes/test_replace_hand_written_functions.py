@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import graphpass
-from helpers import covering_grid, mixed_error  # tests/ is on sys.path
+from tests.helpers import covering_grid, mixed_error
 
 T, V, H = 12, 40, 16
 

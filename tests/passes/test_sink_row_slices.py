@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphpass.passes.sink_row_slices import sink_row_slices_pass
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ import torch
 
 from graphpass.analysis.grad_flow import grad_flows
 from graphpass.passes.tag_grad_flow import tag_grad_flow_pass
-from helpers import run_passes  # tests/ is on sys.path
+from tests.helpers import run_passes
 
 aten = torch.ops.aten
 

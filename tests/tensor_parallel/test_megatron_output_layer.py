@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 import graphpass
-import spawned  # tests/ is on sys.path
+from tests import spawned
 from bench.tp import profiled
 from bench.workloads.tp_losses import slime_style_logprob_entropy
-from helpers import mixed_error  # tests/ is on sys.path
-from test_vocab_parallel_lm_head import TOLERANCE, _masked_ppo  # a sibling: pytest puts this folder on sys.path (also in the ranks)
+from tests.helpers import mixed_error
+from tests.tensor_parallel.test_vocab_parallel_lm_head import TOLERANCE, _masked_ppo
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

@@ -20,8 +20,8 @@ from bench.harness.ranks import collectives
 from graphpass import _torch_api
 from graphpass.ops import vocab_parallel_logprob_entropy
 from graphpass.ops.groups import ALL_GATHER
-from helpers import covering_grid, mixed_error  # tests/ is on sys.path
-import spawned  # tests/ is on sys.path
+from tests.helpers import covering_grid, mixed_error
+from tests import spawned
 
 IGNORE = -100
 T = 37

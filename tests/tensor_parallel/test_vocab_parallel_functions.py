@@ -29,10 +29,10 @@ import graphpass
 from graphpass import _torch_api
 from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives
-import spawned  # tests/ is on sys.path
+from tests import spawned
 from bench.workloads.tp_losses import (megatron_fused_logprob, megatron_logprob, ppo_loss, slime_style_logprob_entropy,
                                        verl_style_entropy)
-from helpers import mixed_error  # tests/ is on sys.path
+from tests.helpers import mixed_error
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

@@ -26,9 +26,9 @@ from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives
 from bench.workloads.tp_losses import megatron_fused_logprob, megatron_logprob, slime_style_logprob_entropy
 from graphpass.ops import vocab_parallel_lm_head_logprob_entropy, vocab_parallel_logprob_entropy
-from test_vocab_parallel_functions import _funcol_logprob  # a sibling: pytest puts this folder on sys.path (also in the ranks)
-from helpers import mixed_error  # tests/ is on sys.path
-import spawned  # tests/ is on sys.path
+from tests.tensor_parallel.test_vocab_parallel_functions import _funcol_logprob
+from tests.helpers import mixed_error
+from tests import spawned
 
 T, H, WIDTH, WORLD = 12, 16, 20, 2  # rows, hidden size, V/tp, tp
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}

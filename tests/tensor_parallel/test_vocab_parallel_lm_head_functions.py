@@ -24,8 +24,8 @@ import graphpass
 from graphpass import _torch_api
 from graphpass.ops.groups import ALL_GATHER
 from bench.harness.ranks import collectives
-import spawned  # tests/ is on sys.path
-from helpers import mixed_error  # tests/ is on sys.path
+from tests import spawned
+from tests.helpers import mixed_error
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 

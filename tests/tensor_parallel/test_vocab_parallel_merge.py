@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphpass
-import spawned  # tests/ is on sys.path
+from tests import spawned
 from bench.tp import profiled
 from bench.workloads.tp_losses import (megatron_logprob_entropy, ppo_loss, slime_style_logprob_entropy, verl_style_entropy)
-from helpers import mixed_error  # tests/ is on sys.path
+from tests.helpers import mixed_error
 
 pytestmark = pytest.mark.heavy  # a minute or more: xdist starts it early (tests/conftest.py)
 
@@ -217,7 +217,7 @@ def _head_case(rank, layer_kind, code, dtype):
     _, _, target, target2, old, adv, mask = _data(rank, dtype)
     shard = slice(rank * WIDTH, (rank + 1) * WIDTH)
     if layer_kind == "ColumnParallelLinear":
-        from test_megatron_output_layer import _layer  # tests/ is on sys.path (also in the ranks)
+        from tests.tensor_parallel.test_megatron_output_layer import _layer
 
         assert (WORLD, WIDTH) == (2, 20)  # that module's shapes
         layer = _layer(dtype, False, False, weight, None, rank)
